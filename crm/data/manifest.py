@@ -1,0 +1,74 @@
+"""manifest.json: what a shard directory holds, written by `crm-data shard`, read by the stream.
+
+The stream plans an epoch from the manifest's per-shard counts (records and ties), so every rank
+knows its share without reading the data first.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+from crm.transforms import CriteriaPool
+
+FORMAT = "crm-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    url: str
+    records: int
+    ties: int = 0
+
+    def eligible(self, keep_ties: bool) -> int:
+        return self.records if keep_ties else self.records - self.ties
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: str  # where shard urls are relative to
+    splits: dict  # split name -> list[ShardInfo]
+    criteria_pool: CriteriaPool | None
+    raw: dict
+
+    def shards(self, split: str) -> list[ShardInfo]:
+        if split not in self.splits:
+            raise ValueError(f"{posixpath.join(self.root, MANIFEST)}: no split {split!r}; "
+                             f"it has {sorted(self.splits)}")
+        return self.splits[split]
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read a manifest from a shard directory or from the manifest file's own path."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no manifest (make shards with `crm-data shard`)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: manifest is not JSON: {exc}") from None
+    if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format {raw.get('format')!r} version {raw.get('format_version')!r}; "
+                         f"this crm reads {FORMAT!r} version {FORMAT_VERSION}")
+    root = str(path.parent)
+    splits = {
+        name: [ShardInfo(posixpath.join(root, s["url"]), s["records"], s.get("ties", 0))
+               for s in split["shards"]]
+        for name, split in raw["splits"].items()
+    }
+    pool = raw.get("criteria_pool")
+    return Manifest(root, splits, CriteriaPool.from_dict(pool) if pool else None, raw)
+
+
+def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest}
+    path = Path(out_dir) / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)  # a reader never sees half a manifest
+    return path

@@ -1,0 +1,49 @@
+"""Reading shard members as JSON, and nothing else.
+
+webdataset's default decoders unpickle `.pyd`/`.pickle` members: a shard from anywhere could run
+code. Here a member is read as bytes and parsed as JSON; a sample with any other member is refused
+with an error naming the shard and the member, before its bytes are read.
+"""
+from __future__ import annotations
+
+import json
+import tarfile
+from collections.abc import Iterator
+
+import webdataset as wds
+
+JSON_EXT = "json"
+
+
+class ShardError(ValueError):
+    pass
+
+
+def split_member(name: str) -> tuple[str, str]:
+    # webdataset's convention: the key is the path up to the first dot of the basename.
+    directory, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{directory}/{stem}" if directory else stem), ext
+
+
+def iter_shard(url: str) -> Iterator[tuple[str, dict]]:
+    """(key, JSON object) for every sample of a tar shard, in file order."""
+    stream = wds.gopen(url)
+    try:
+        with tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for info in tar:
+                if not info.isreg():
+                    continue
+                key, ext = split_member(info.name)
+                if ext != JSON_EXT:
+                    raise ShardError(f"{url}: member {info.name!r}: only .{JSON_EXT} members are "
+                                     f"read; refusing .{ext} (never unpickled)")
+                data = tar.extractfile(info).read()
+                try:
+                    yield key, json.loads(data)
+                except json.JSONDecodeError as exc:
+                    raise ShardError(f"{url}: member {info.name!r}: bad JSON: {exc}") from None
+    except tarfile.TarError as exc:
+        raise ShardError(f"{url}: not a readable tar shard: {exc}") from None
+    finally:
+        stream.close()

@@ -1,0 +1,349 @@
+"""The record formats we read (DESIGN section 3), parsed into typed records.
+
+Plain Python over text: no torch, so data tools and tests stay fast. Every defect becomes a
+`RecordError` that names the file, the line, the field and the reason.
+"""
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+PREFERENCES = ("model_a", "model_b", "tie")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+Conversation = tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    """A human vote between two conversations, with the criteria under which each side wins."""
+
+    human_winner: str
+    model_a: Conversation
+    model_b: Conversation
+    a_criteria: tuple[str, ...]
+    b_criteria: tuple[str, ...]
+    a_topics: tuple[int, ...]
+    b_topics: tuple[int, ...]
+    idx: str | None = None
+    topic: str | None = None
+
+    @property
+    def query(self) -> str:
+        return self.model_a[0].content
+
+
+@dataclass(frozen=True)
+class TestRecord:
+    """A pair judged under given criteria; `preference` is the gold label."""
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    idx: str
+    prompt: str
+    model_a: Conversation
+    model_b: Conversation
+    criteria: tuple[str, ...]
+    preference: str
+    topic: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchRecord:
+    """A leaderboard query: one response (or conversation) per model."""
+
+    idx: str
+    topic: str
+    prompt: str
+    responses: dict[str, Conversation] = field(hash=False)
+
+
+class RecordError(ValueError):
+    """A defect in one input line; `str()` reads `file:line: field: reason`."""
+
+    def __init__(self, reason: str, field: str = "", path: str = "", line: int = 0):
+        self.reason, self.field, self.path, self.line = reason, field, path, line
+        super().__init__(self.location() + reason)
+
+    def location(self) -> str:
+        where = f"{self.path}:{self.line}: " if self.path else ""
+        return where + (f"{self.field}: " if self.field else "")
+
+    def at(self, path: str, line: int) -> "RecordError":
+        return RecordError(self.reason, self.field, str(path), line)
+
+    def as_dict(self) -> dict:
+        return {"file": self.path, "line": self.line, "field": self.field, "reason": self.reason}
+
+
+# ---------------------------------------------------------------------------------------------
+# field readers: each returns the typed value or raises RecordError naming the field
+
+
+def _require(obj: dict, name: str):
+    if name not in obj:
+        raise RecordError("missing field", name)
+    return obj[name]
+
+
+def _maybe_repr_list(value, name: str):
+    # The reference stored some lists as Python-repr strings; literal_eval parses literals only.
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            # TypeError: a literal that cannot be built, e.g. "{[1]: 2}" (unhashable key)
+            raise RecordError("string is not a list literal", name) from None
+        if not isinstance(value, list):
+            raise RecordError(f"string parses as {type(value).__name__}, expected a list", name)
+    return value
+
+
+def _string(value, name: str, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise RecordError(f"expected a string, got {_type(value)}", name)
+    if not allow_empty and not value.strip():
+        raise RecordError("empty string", name)
+    return value
+
+
+def _ident(value, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RecordError(f"expected a string or integer id, got {_type(value)}", name)
+    return str(value)
+
+
+def _type(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _criteria(value, name: str) -> tuple[str, ...]:
+    value = _maybe_repr_list(value, name)
+    if not isinstance(value, list):
+        raise RecordError(f"expected a list of strings, got {_type(value)}", name)
+    if not value:
+        raise RecordError("empty criteria list", name)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise RecordError(f"criterion {i} is {_type(item)}, expected a string", name)
+        if not item.strip():
+            raise RecordError(f"criterion {i} is empty", name)
+    return tuple(value)
+
+
+def _topics(value, name: str) -> tuple[int, ...]:
+    value = _maybe_repr_list(value, name)
+    if not isinstance(value, list):
+        raise RecordError(f"expected a list of integer topic ids, got {_type(value)}", name)
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise RecordError(f"topic {i} is {_type(item)}, expected an integer", name)
+    return tuple(value)
+
+
+def _conversation(value, name: str) -> Conversation:
+    value = _maybe_repr_list(value, name)
+    if not isinstance(value, list):
+        raise RecordError(f"expected a list of messages, got {_type(value)}", name)
+    if not value:
+        raise RecordError("empty conversation", name)
+    messages = []
+    for i, msg in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(msg, dict):
+            raise RecordError(f"message is {_type(msg)}, expected an object", where)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise RecordError(f"role {role!r} is not one of {', '.join(ROLES)}", where + ".role")
+        if "content" not in msg:
+            raise RecordError("message without content", where + ".content")
+        messages.append(Message(role, _string(msg["content"], where + ".content", allow_empty=True)))
+    if messages[0].role != "user":
+        raise RecordError("the first message must be the user's query", f"{name}[0].role")
+    if not any(m.role == "assistant" for m in messages):
+        raise RecordError("no assistant message", name)
+    return tuple(messages)
+
+
+def _response(value, name: str, query: str) -> Conversation:
+    """A benchmark response: plain text (one answer to `query`) or a full conversation."""
+    if isinstance(value, str):
+        return (Message("user", query), Message("assistant", _string(value, name)))
+    return _conversation(value, name)
+
+
+def _same_query(a: Conversation, b: Conversation) -> None:
+    if a[0].content.strip() != b[0].content.strip():
+        raise RecordError("first message differs from model_a's query", "model_b[0].content")
+
+
+# ---------------------------------------------------------------------------------------------
+# the three formats
+
+
+def parse_train(obj) -> TrainRecord:
+    if not isinstance(obj, dict):
+        raise RecordError(f"line is {_type(obj)}, expected a JSON object")
+    winner = _require(obj, "human_winner")
+    if winner not in PREFERENCES:
+        raise RecordError(f"unknown preference {winner!r}, expected one of {', '.join(PREFERENCES)}",
+                          "human_winner")
+    model_a = _conversation(_require(obj, "model_a"), "model_a")
+    model_b = _conversation(_require(obj, "model_b"), "model_b")
+    _same_query(model_a, model_b)
+    idx = obj.get("idx")
+    topic = obj.get("topic")
+    return TrainRecord(
+        human_winner=winner,
+        model_a=model_a,
+        model_b=model_b,
+        a_criteria=_criteria(_require(obj, "a_criteria"), "a_criteria"),
+        b_criteria=_criteria(_require(obj, "b_criteria"), "b_criteria"),
+        a_topics=_topics(_require(obj, "a_broad_criteria_topic"), "a_broad_criteria_topic"),
+        b_topics=_topics(_require(obj, "b_broad_criteria_topic"), "b_broad_criteria_topic"),
+        idx=None if idx is None else _ident(idx, "idx"),
+        topic=None if topic is None else _string(topic, "topic"),
+    )
+
+
+def parse_test(obj) -> TestRecord:
+    if not isinstance(obj, dict):
+        raise RecordError(f"line is {_type(obj)}, expected a JSON object")
+    preference = _require(obj, "preference")
+    if preference not in PREFERENCES:
+        raise RecordError(
+            f"unknown preference {preference!r}, expected one of {', '.join(PREFERENCES)}", "preference")
+    model_a = _conversation(_require(obj, "model_a"), "model_a")
+    model_b = _conversation(_require(obj, "model_b"), "model_b")
+    _same_query(model_a, model_b)
+    topic = obj.get("topic")
+    return TestRecord(
+        idx=_ident(_require(obj, "idx"), "idx"),
+        prompt=_string(_require(obj, "prompt"), "prompt"),
+        model_a=model_a,
+        model_b=model_b,
+        criteria=_criteria(_require(obj, "criteria"), "criteria"),
+        preference=preference,
+        topic=None if topic is None else _string(topic, "topic"),
+    )
+
+
+def parse_bench(obj) -> BenchRecord:
+    if not isinstance(obj, dict):
+        raise RecordError(f"line is {_type(obj)}, expected a JSON object")
+    prompt = _string(_require(obj, "prompt"), "prompt")
+    responses = _require(obj, "responses")
+    if not isinstance(responses, dict):
+        raise RecordError(f"expected an object of model name -> response, got {_type(responses)}",
+                          "responses")
+    if not responses:
+        raise RecordError("no responses", "responses")
+    return BenchRecord(
+        idx=_ident(_require(obj, "idx"), "idx"),
+        topic=_string(_require(obj, "topic"), "topic"),
+        prompt=prompt,
+        responses={name: _response(r, f"responses.{name}", prompt) for name, r in responses.items()},
+    )
+
+
+PARSERS: dict[str, Callable[[object], object]] = {
+    "train": parse_train, "test": parse_test, "bench": parse_bench}
+FORMATS = tuple(PARSERS)
+
+
+def detect_format(obj) -> str:
+    """Guess the format of one JSON object from its keys (for commands that take any file)."""
+    if isinstance(obj, dict):
+        if "human_winner" in obj:
+            return "train"
+        if "responses" in obj:
+            return "bench"
+        if "preference" in obj or "criteria" in obj:
+            return "test"
+    return "train"
+
+
+# ---------------------------------------------------------------------------------------------
+# reading files
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One non-blank input line; `record` is set when it parsed, `error` when it did not."""
+
+    path: str
+    number: int
+    text: str
+    record: object | None = None
+    error: RecordError | None = None
+
+
+def parse_line(text: str, parser: Callable[[object], R]) -> R:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"bad JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise RecordError("bad JSON: nested too deeply") from None
+    return parser(obj)
+
+
+def read_lines(path: str | Path, fmt: str | None = None) -> Iterator[Line]:
+    """Every non-blank line of a JSONL file, parsed; errors are yielded, never raised.
+
+    `fmt` is "train", "test" or "bench"; None detects it from the first line that is an object.
+    A missing or unreadable file raises OSError (the caller reports it once).
+    """
+    path = str(path)
+    parser = PARSERS[fmt] if fmt else None
+    # Binary, decoded line by line: a bad byte is a defect of its line, not a crash of the file.
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8").strip()  # BOM: editors add one
+            except UnicodeDecodeError as exc:
+                err = RecordError(f"not valid UTF-8 (byte {exc.start})").at(path, number)
+                yield Line(path, number, raw.decode("utf-8", "replace").strip(), error=err)
+                continue
+            if not text:
+                continue
+            if parser is None:
+                try:
+                    obj = json.loads(text)
+                except (json.JSONDecodeError, RecursionError):
+                    pass
+                else:
+                    if isinstance(obj, dict):  # a non-object line must not fix the format
+                        parser = PARSERS[detect_format(obj)]
+            try:
+                record = parse_line(text, parser or parse_train)
+            except RecordError as err:
+                yield Line(path, number, text, error=err.at(path, number))
+            else:
+                yield Line(path, number, text, record=record)
+
+
+def load_records(path: str | Path, fmt: str) -> list:
+    """All records of a file; raises the first RecordError (for inputs that must be clean)."""
+    records = []
+    for line in read_lines(path, fmt):
+        if line.error:
+            raise line.error
+        records.append(line.record)
+    return records
+
+
+def message_dicts(conversation: Conversation) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in conversation]

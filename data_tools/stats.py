@@ -1,0 +1,79 @@
+"""`crm-data stats`: counts, lengths, criteria per sample and label balance of a file or shard dir."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from crm.data.manifest import load_manifest
+from crm.data.reader import iter_shard
+from crm.records import BenchRecord, RecordError, TestRecord, TrainRecord, parse_train, read_lines
+
+
+def _summary(values: list[int]) -> dict:
+    if not values:
+        return {}
+    values = sorted(values)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"mean": round(sum(values) / len(values), 1), "p50": pick(0.5), "p95": pick(0.95),
+            "max": values[-1]}
+
+
+def _words(conversation) -> int:
+    return sum(len(m.content.split()) for m in conversation[1:])
+
+
+def _records_of(path: Path):
+    """(split, record) pairs, and the count of bad lines (files only: shards were validated)."""
+    if path.is_dir():
+        manifest = load_manifest(path)
+        for split in manifest.splits:
+            for shard in manifest.shards(split):
+                for key, obj in iter_shard(shard.url):
+                    try:
+                        yield split, parse_train(obj)
+                    except RecordError as err:
+                        raise RecordError(f"sample {key}: {err}", path=shard.url) from None
+    else:
+        for line in read_lines(path):
+            yield path.name, line.error or line.record
+
+
+def stats(path: str | Path) -> dict:
+    path = Path(path)
+    per_split: dict[str, dict] = {}
+    for split, record in _records_of(path):
+        s = per_split.setdefault(split, {"records": 0, "rejected": 0, "labels": Counter(),
+                                         "criteria": Counter(), "words": [], "turns": Counter(),
+                                         "topics": Counter()})
+        if isinstance(record, RecordError):
+            s["rejected"] += 1
+            continue
+        s["records"] += 1
+        if isinstance(record, TrainRecord):
+            s["labels"][record.human_winner] += 1
+            s["criteria"][len(record.a_criteria)] += 1
+            s["criteria"][len(record.b_criteria)] += 1
+            s["words"] += [_words(record.model_a), _words(record.model_b)]
+            s["turns"][len(record.model_a)] += 1
+        elif isinstance(record, TestRecord):
+            s["labels"][record.preference] += 1
+            s["criteria"][len(record.criteria)] += 1
+            s["words"] += [_words(record.model_a), _words(record.model_b)]
+            s["turns"][len(record.model_a)] += 1
+        elif isinstance(record, BenchRecord):
+            s["labels"].update(record.responses)  # responses per model
+            s["words"] += [_words(c) for c in record.responses.values()]
+        if getattr(record, "topic", None):
+            s["topics"][record.topic] += 1
+    return {
+        split: {
+            "records": s["records"],
+            "rejected": s["rejected"],
+            "labels": dict(sorted(s["labels"].items())),
+            "criteria_per_side": dict(sorted(s["criteria"].items())),
+            "response_words": _summary(s["words"]),
+            "messages_per_conversation": dict(sorted(s["turns"].items())),
+            "topics": dict(sorted(s["topics"].items())),
+        }
+        for split, s in per_split.items()
+    }

@@ -1,0 +1,37 @@
+from setuptools import find_packages, setup
+
+# Versions measured together on the build machine (shared/STACK.md). torch is pinned here AND on the
+# pip command line (Makefile): without the pin in the same command pip resolves a multi-GB CUDA build.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "lightning==2.6.6",
+    "transformers==5.23.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "hydra-core==1.3.8",
+    "omegaconf==2.3.1",
+    "webdataset==1.0.2",
+    "wandb==0.31.0",
+    "numpy==2.4.6",
+    "scipy==1.17.1",
+    "matplotlib==3.11.2",
+]
+
+setup(
+    name="crm",
+    version="0.1.0",
+    description="Customizable Reward Models and user-centric subjective leaderboards",
+    python_requires=">=3.10",
+    packages=find_packages(include=["crm", "crm.*", "data_tools", "data_tools.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        "gpu": ["flash-attn==2.8.3"],
+        "slurm": ["hydra-submitit-launcher==1.2.0"],
+        "dev": ["pytest==9.2.0", "trl==1.16.0"],
+    },
+    entry_points={
+        "console_scripts": [
+            "crm-data=data_tools.cli:main",
+        ],
+    },
+)
