@@ -97,7 +97,8 @@ class PromptEncoder:
     """Renders examples to token ids no longer than `max_tokens`.
 
     `min_turn_tokens` is the least a shortened message keeps (half from its start, half from its
-    end); when even that does not fit, the example is dropped.
+    end); when even that does not fit, the example is dropped. The `*_many` methods tokenize a whole
+    batch in one call, which is most of the cost of the data stream.
     """
 
     def __init__(self, tokenizer, template: PromptTemplate | None = None, max_tokens: int = 2048,
@@ -107,24 +108,64 @@ class PromptEncoder:
         self.max_tokens = max_tokens
         self.min_turn_tokens = min_turn_tokens
         self.stats = LengthStats()
+        self._affixes = self._chat_affixes()
+
+    def _chat_affixes(self) -> tuple[str, str] | None:
+        """The chat template's text before and after the user's content, when it is a plain wrapper.
+
+        Rendering the Jinja template per example costs as much as tokenizing it; most templates
+        only wrap the content, so it is rendered once. A template that transforms the content (the
+        check below notices) is rendered per example.
+        """
+        sentinel = "\x00crm-content\x00"
+        rendered = self._render_chat(sentinel)
+        if rendered.count(sentinel) != 1:
+            return None
+        prefix, suffix = rendered.split(sentinel)
+        probe = "probe text\nwith two lines"
+        return (prefix, suffix) if self._render_chat(probe) == prefix + probe + suffix else None
+
+    def _render_chat(self, text: str) -> str:
+        return self.tokenizer.apply_chat_template(self.template.messages(text), tokenize=False)
+
+    def chat_text(self, text: str) -> str:
+        if self._affixes is None:
+            return self._render_chat(text)
+        return self._affixes[0] + text + self._affixes[1]
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        chats = [self.chat_text(t) for t in texts]
+        return self.tokenizer(chats, add_special_tokens=False)["input_ids"]
 
     def encode_text(self, text: str) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template(self.template.messages(text), tokenize=False)
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return self.encode_texts([text])[0]
 
     def pairwise(self, criteria, query: str, conv_a: Conversation, conv_b: Conversation):
         """Token ids of the pairwise prompt, or None when it cannot fit."""
-        return self._fit(lambda a, b: self.template.pairwise_text(criteria, query, a, b),
-                         [conv_a, conv_b])
+        return self.pairwise_many([(criteria, query, conv_a, conv_b)])[0]
 
     def pointwise(self, criteria, query: str, conversation: Conversation):
-        return self._fit(lambda c: self.template.pointwise_text(criteria, query, c), [conversation])
+        return self.pointwise_many([(criteria, query, conversation)])[0]
 
-    def _fit(self, render, conversations: list[Conversation]):
-        self.stats.rendered += 1
-        ids = self.encode_text(render(*conversations))
-        if len(ids) <= self.max_tokens:
-            return ids
+    def pairwise_many(self, items) -> list:
+        """[(criteria, query, conv_a, conv_b)] -> token ids or None (dropped) for each."""
+        return self._fit_many([(lambda a, b, c=c, q=q: self.template.pairwise_text(c, q, a, b), [a, b])
+                               for c, q, a, b in items])
+
+    def pointwise_many(self, items) -> list:
+        """[(criteria, query, conversation)] -> token ids or None (dropped) for each."""
+        return self._fit_many([(lambda x, c=c, q=q: self.template.pointwise_text(c, q, x), [conv])
+                               for c, q, conv in items])
+
+    def _fit_many(self, items) -> list:
+        self.stats.rendered += len(items)
+        encoded = self.encode_texts([render(*convs) for render, convs in items])
+        return [ids if len(ids) <= self.max_tokens else self._shorten_to_fit(render, convs, ids)
+                for ids, (render, convs) in zip(encoded, items)]
+
+    def _shorten_to_fit(self, render, conversations: list[Conversation], ids: list[int]):
         contents = [self.tokenizer(m.content, add_special_tokens=False)["input_ids"]
                     for conv in conversations for m in conv]
         excess = len(ids) - self.max_tokens
@@ -133,8 +174,7 @@ class PromptEncoder:
             cap = _water_level([len(c) for c in contents], excess)
             if cap is None or cap < self.min_turn_tokens:
                 break
-            shortened = self._shorten(conversations, contents, cap)
-            ids = self.encode_text(render(*shortened))
+            ids = self.encode_text(render(*self._shorten(conversations, contents, cap)))
             if len(ids) <= self.max_tokens:
                 self.stats.shortened += 1
                 return ids

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except OSError as exc:  # a missing or unreadable input is one line, not a traceback
-        print(f"crm-data {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""  # some errors name the file in their text
+        print(f"crm-data {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"crm-data {args.command}: {exc}", file=sys.stderr)

@@ -58,18 +58,25 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
     out.mkdir(parents=True, exist_ok=True)
     kept = {s: [] for s in SPLITS}
     counts = {s: {"read": 0, "written": 0, "rejected": 0} for s in SPLITS}
-    with open(out / REJECTS, "w", encoding="utf-8") as rejects:
-        for fi, path in enumerate(inputs):
-            for line in read_lines(path, "train"):
-                key = sample_key(fi, len(inputs), line.number)
-                split = assign_split(seed, key, val_fraction)
-                counts[split]["read"] += 1
-                if line.error:
-                    counts[split]["rejected"] += 1
-                    rejects.write(json.dumps({**line.error.as_dict(), "split": split,
-                                              "raw": line.text}, ensure_ascii=False) + "\n")
-                else:
-                    kept[split].append((key, line.text, line.record))
+    # Written aside and moved in with the manifest: a failed run (e.g. a missing input) must not
+    # leave an earlier run's manifest next to this run's partial rejects.
+    rejects_tmp = out / (REJECTS + ".tmp")
+    try:
+        with open(rejects_tmp, "w", encoding="utf-8") as rejects:
+            for fi, path in enumerate(inputs):
+                for line in read_lines(path, "train"):
+                    key = sample_key(fi, len(inputs), line.number)
+                    split = assign_split(seed, key, val_fraction)
+                    counts[split]["read"] += 1
+                    if line.error:
+                        counts[split]["rejected"] += 1
+                        rejects.write(json.dumps({**line.error.as_dict(), "split": split,
+                                                  "raw": line.text}, ensure_ascii=False) + "\n")
+                    else:
+                        kept[split].append((key, line.text, line.record))
+    except BaseException:
+        rejects_tmp.unlink(missing_ok=True)
+        raise
 
     for stale in list(out.glob("train-*.tar")) + list(out.glob("val-*.tar")):
         stale.unlink()  # shards of an earlier run would otherwise look like part of this one
@@ -98,6 +105,7 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
         "rejects": REJECTS,
         "criteria_pool": CriteriaPool.from_records(r for _, _, r in kept["train"]).as_dict(),
     }
+    rejects_tmp.replace(out / REJECTS)
     write_manifest(out, manifest)
     return manifest
 

@@ -26,8 +26,8 @@ def split_member(name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), ext
 
 
-def iter_shard(url: str) -> Iterator[tuple[str, dict]]:
-    """(key, JSON object) for every sample of a tar shard, in file order."""
+def iter_shard_raw(url: str) -> Iterator[tuple[str, bytes]]:
+    """(key, the JSON member's bytes) for every sample of a tar shard, in file order."""
     stream = wds.gopen(url)
     try:
         with tarfile.open(fileobj=stream, mode="r|*") as tar:
@@ -38,12 +38,21 @@ def iter_shard(url: str) -> Iterator[tuple[str, dict]]:
                 if ext != JSON_EXT:
                     raise ShardError(f"{url}: member {info.name!r}: only .{JSON_EXT} members are "
                                      f"read; refusing .{ext} (never unpickled)")
-                data = tar.extractfile(info).read()
-                try:
-                    yield key, json.loads(data)
-                except json.JSONDecodeError as exc:
-                    raise ShardError(f"{url}: member {info.name!r}: bad JSON: {exc}") from None
+                yield key, tar.extractfile(info).read()
     except tarfile.TarError as exc:
         raise ShardError(f"{url}: not a readable tar shard: {exc}") from None
     finally:
         stream.close()
+
+
+def load_member(url: str, key: str, data: bytes):
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ShardError(f"{url}: member {key}.{JSON_EXT}: bad JSON: {exc}") from None
+
+
+def iter_shard(url: str) -> Iterator[tuple[str, dict]]:
+    """(key, JSON object) for every sample of a tar shard, in file order."""
+    for key, data in iter_shard_raw(url):
+        yield key, load_member(url, key, data)

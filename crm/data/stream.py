@@ -22,11 +22,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from crm.data.manifest import ShardInfo
 from crm.data.plan import RankPlan, plan_rank
-from crm.data.reader import ShardError, iter_shard
+from crm.data.reader import ShardError, iter_shard_raw, load_member
 from crm.prompts import LengthStats, PromptEncoder, PromptTemplate
 from crm.records import RecordError, TrainRecord, parse_train
-from crm.transforms import (LABEL_A, LABEL_TIE, CriteriaPool, PairExample, TransformConfig,
-                            is_trainable, record_rng, train_example)
+from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, record_rng,
+                            train_example)
 
 MODES = ("pairwise", "pointwise")
 
@@ -46,12 +46,6 @@ class StreamConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"stream mode={self.mode!r}: expected one of {MODES}")
-
-
-def record_length(record: TrainRecord) -> int:
-    """A cheap stand-in for the token length, good enough to group similar lengths."""
-    text = sum(len(m.content) for m in record.model_a + record.model_b[1:])
-    return text + max(sum(map(len, record.a_criteria)), sum(map(len, record.b_criteria)))
 
 
 class PairStream(IterableDataset):
@@ -81,26 +75,27 @@ class PairStream(IterableDataset):
 
     # -- records ---------------------------------------------------------------------------------
 
-    def _records(self, plan: RankPlan) -> Iterator[tuple[str, TrainRecord]]:
+    def _records(self, plan: RankPlan) -> Iterator[tuple[str, str, dict, int]]:
+        """(shard url, key, raw JSON object, byte length) of the plan's records, in plan order.
+
+        Records are parsed into TrainRecords only in the batches a worker keeps.
+        """
         keep_ties = self.transform.ties == "keep"
         for seg in plan.segments:
-            seen = taken = 0
-            for key, obj in iter_shard(seg.shard.url):
-                try:
-                    record = parse_train(obj)
-                except RecordError as err:
-                    raise ShardError(f"{seg.shard.url}: sample {key}: {err}") from None
-                if record.human_winner == "tie" and not keep_ties:
+            url, seen, taken = seg.shard.url, 0, 0
+            for key, data in iter_shard_raw(url):
+                obj = load_member(url, key, data)
+                if not keep_ties and isinstance(obj, dict) and obj.get("human_winner") == "tie":
                     continue
                 seen += 1
                 if seen <= seg.skip:
                     continue
-                yield key, record
+                yield url, key, obj, len(data)
                 taken += 1
                 if taken == seg.take:
                     break
             if taken < seg.take:
-                raise ShardError(f"{seg.shard.url}: {seen} eligible records, the manifest promised "
+                raise ShardError(f"{url}: {seen} eligible records, the manifest promised "
                                  f"{seg.skip + seg.take} or more")
 
     def _shuffled(self, items: Iterator, rng: random.Random) -> Iterator:
@@ -115,7 +110,7 @@ class PairStream(IterableDataset):
         rng.shuffle(buffer)
         yield from buffer
 
-    def batches_of_records(self, epoch: int) -> Iterator[list[tuple[str, TrainRecord]]]:
+    def batches_of_records(self, epoch: int) -> Iterator[list[tuple[str, str, dict, int]]]:
         """The rank's batches of records for `epoch`, in yield order (every worker computes it)."""
         plan = self.plan(epoch)
         rng = random.Random(f"stream:{self.cfg.seed}:{epoch}:{self.rank}")
@@ -126,7 +121,7 @@ class PairStream(IterableDataset):
         for w in range(0, len(sizes), self.cfg.window_batches):
             window_sizes = sizes[w:w + self.cfg.window_batches]
             window = [next(records) for _ in range(sum(window_sizes))]
-            window.sort(key=lambda kr: record_length(kr[1]))
+            window.sort(key=lambda rec: rec[3])  # bytes: a cheap stand-in for the token length
             batches, i = [], 0
             for size in window_sizes:
                 batches.append(window[i:i + size])
@@ -147,41 +142,43 @@ class PairStream(IterableDataset):
         for j, batch in enumerate(self.batches_of_records(epoch)):
             if j < skip or (j - skip) % workers != worker:
                 continue
-            examples = [train_example(record, key, self.transform,
+            examples = [train_example(self._parse(url, key, obj), key, self.transform,
                                       record_rng(self.cfg.seed, draw_epoch, key), self.pool)
-                        for key, record in batch]
+                        for url, key, obj, _ in batch]
             yield self.collate(examples, encoder, position=(epoch, j))
 
+    @staticmethod
+    def _parse(url: str, key: str, obj) -> TrainRecord:
+        try:
+            return parse_train(obj)
+        except RecordError as err:
+            raise ShardError(f"{url}: sample {key}: {err}") from None
+
     def collate(self, examples: list[PairExample], encoder: PromptEncoder, position) -> dict:
-        before = LengthStats(**vars(encoder.stats))
-        rows, labels, keys = [], [], []
+        stats = encoder.stats = LengthStats()  # this batch's counts
         if self.cfg.mode == "pairwise":
-            for ex in examples:
-                ids = encoder.pairwise(ex.criteria, ex.query, ex.conv_a, ex.conv_b)
-                if ids is not None:
-                    rows.append(ids)
-                    labels.append(ex.label)
-                    keys.append(ex.key)
+            encoded = encoder.pairwise_many([(ex.criteria, ex.query, ex.conv_a, ex.conv_b)
+                                             for ex in examples])
+            kept = [(ex, ids) for ex, ids in zip(examples, encoded) if ids is not None]
+            rows = [ids for _, ids in kept]
+            labels = [ex.label for ex, _ in kept]
         else:
-            chosen, rejected = [], []
-            for ex in examples:
-                assert ex.label != LABEL_TIE  # refused in __init__
-                win, lose = (ex.conv_a, ex.conv_b) if ex.label == LABEL_A else (ex.conv_b, ex.conv_a)
-                c = encoder.pointwise(ex.criteria, ex.query, win)
-                r = encoder.pointwise(ex.criteria, ex.query, lose)
-                if c is not None and r is not None:
-                    chosen.append(c)
-                    rejected.append(r)
-                    keys.append(ex.key)
-            rows = chosen + rejected  # one forward: chosen rows first, then their rejected rows
-        stats = encoder.stats
+            pairs = [(ex.conv_a, ex.conv_b) if ex.label == LABEL_A else (ex.conv_b, ex.conv_a)
+                     for ex in examples]  # (chosen, rejected); ties were refused in __init__
+            encoded = encoder.pointwise_many([(ex.criteria, ex.query, conv) for ex, pair in
+                                              zip(examples, pairs) for conv in pair])
+            kept = [(ex, c, r) for ex, c, r in zip(examples, encoded[0::2], encoded[1::2])
+                    if c is not None and r is not None]
+            # One forward: chosen rows first, then their rejected rows in the same order.
+            rows = [c for _, c, _ in kept] + [r for _, _, r in kept]
+        keys = [k[0].key for k in kept]
         batch = pad_rows(rows, self.tokenizer.pad_token_id)
         batch.update(
             keys=keys,
             position=torch.tensor(position),
-            rendered=torch.tensor(stats.rendered - before.rendered),
-            shortened=torch.tensor(stats.shortened - before.shortened),
-            dropped=torch.tensor(stats.dropped - before.dropped),
+            rendered=torch.tensor(stats.rendered),  # prompts (two per record when pointwise)
+            shortened=torch.tensor(stats.shortened),
+            dropped=torch.tensor(stats.dropped),
         )
         if self.cfg.mode == "pairwise":
             batch["labels"] = torch.tensor(labels, dtype=torch.long)
