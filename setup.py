@@ -22,7 +22,11 @@ setup(
     version="0.1.0",
     description="Customizable Reward Models and user-centric subjective leaderboards",
     python_requires=">=3.10",
-    packages=find_packages(include=["crm", "crm.*", "data_tools", "data_tools.*"]),
+    # configs/ stays top-level for users to edit, and installs as the package `crm_configs` so an
+    # installed crm-train finds it from any directory (Hydra's pkg://crm_configs).
+    packages=find_packages(include=["crm", "crm.*", "data_tools", "data_tools.*"]) + ["crm_configs"],
+    package_dir={"crm_configs": "configs"},
+    package_data={"crm_configs": ["*.yaml", "*/*.yaml", "*/*/*.yaml"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "gpu": ["flash-attn==2.8.3"],
@@ -32,6 +36,7 @@ setup(
     entry_points={
         "console_scripts": [
             "crm-data=data_tools.cli:main",
+            "crm-train=crm.cli.train:main",
         ],
     },
 )

@@ -169,16 +169,18 @@ class PromptEncoder:
         contents = [self.tokenizer(m.content, add_special_tokens=False)["input_ids"]
                     for conv in conversations for m in conv]
         excess = len(ids) - self.max_tokens
+        marker = len(self.tokenizer(ELLIPSIS, add_special_tokens=False)["input_ids"])
+        lengths = [len(c) for c in contents]
         # Retokenizing a shortened text can merge differently at the cuts: re-check, cut a bit more.
         for _ in range(4):
-            cap = _water_level([len(c) for c in contents], excess)
+            cap = _water_level(lengths, excess, marker)
             if cap is None or cap < self.min_turn_tokens:
                 break
             ids = self.encode_text(render(*self._shorten(conversations, contents, cap)))
             if len(ids) <= self.max_tokens:
                 self.stats.shortened += 1
                 return ids
-            excess += len(ids) - self.max_tokens
+            excess += (len(ids) - self.max_tokens) * sum(n > cap for n in lengths)
         self.stats.dropped += 1
         return None
 
@@ -198,19 +200,20 @@ class PromptEncoder:
         return out
 
 
-def _water_level(lengths: list[int], excess: int) -> int | None:
+def _water_level(lengths: list[int], excess: int, marker: int = 0) -> int | None:
     """The largest per-message cap that removes at least `excess` tokens (None if none does).
 
-    Capping the longest messages first keeps short answers intact and shortens long ones evenly.
+    A capped message keeps `cap` tokens plus a `marker` of `marker` tokens. Capping the longest
+    messages first keeps short answers intact and shortens long ones evenly.
     """
-    total = sum(lengths)
-    target = total - excess
-    if target <= 0:
+    target = sum(lengths) - excess
+    kept = lambda cap: sum(n if n <= cap else cap + marker for n in lengths)  # noqa: E731
+    if target <= 0 or kept(0) > target:
         return None
     lo, hi = 0, max(lengths)
-    while lo < hi:  # largest cap c with sum(min(l, c)) <= target
+    while lo < hi:  # largest cap with kept(cap) <= target
         mid = (lo + hi + 1) // 2
-        if sum(min(n, mid) for n in lengths) <= target:
+        if kept(mid) <= target:
             lo = mid
         else:
             hi = mid - 1

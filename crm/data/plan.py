@@ -81,10 +81,11 @@ def plan_rank(shards: list[ShardInfo], *, rank: int, world: int, batch_size: int
         raise ValueError(f"rank {rank} is outside world size {world}")
     k = batches_per_rank(total, world, batch_size)
     start, stop = rank_range(total, rank, world)
-    if stop - start < k:
-        # Spread thin (e.g. 5 records, 4 ranks, batch 1): a rank would owe an empty batch.
-        raise ValueError(f"{total} records over {world} ranks at batch size {batch_size}: rank {rank} "
-                         f"gets {stop - start} records for {k} batches; lower the batch size or "
-                         "the number of ranks")
+    if total // world < k:
+        # Spread thin (e.g. 5 records, 4 ranks, batch 1): some rank would owe an empty batch. Judged
+        # by the smallest share (the last rank's), so that every rank refuses, not only that one.
+        raise ValueError(f"{total} records over {world} ranks at batch size {batch_size}: rank "
+                         f"{world - 1} gets {total // world} records for {k} batches; lower the "
+                         "batch size or the number of ranks")
     order = shard_order(shards, seed, epoch, shuffle)
     return RankPlan(rank_segments(order, keep_ties, start, stop), batch_sizes(stop - start, k))

@@ -1,0 +1,138 @@
+"""Config -> objects for the command-line entry points (the only place that reads Hydra configs)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from omegaconf import DictConfig
+
+from crm.data.manifest import Manifest
+from crm.data.reader import iter_shard
+from crm.prompts import PromptTemplate
+from crm.records import parse_train
+from crm.transforms import TransformConfig
+
+log = logging.getLogger("crm")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def prepare_data(data: DictConfig) -> Path:
+    """The shard dir; for the demo, generate the data and shard it first if they are absent."""
+    shard_dir = Path(data.path)
+    if data.get("demo") and not (shard_dir / "manifest.json").is_file():
+        from data_tools.demo import write_demo  # noqa: the demo's own generator
+        from data_tools.shard import shard
+
+        raw = Path(data.demo.out_dir) / "raw"
+        log.info("generating the demo data into %s", raw)
+        write_demo(raw, seed=data.demo.seed, n_train=data.demo.n_train, n_test=data.demo.n_test,
+                   n_bench=data.demo.n_bench)
+        shard([str(raw / "train.jsonl")], shard_dir, shard_size=1000)
+    return shard_dir
+
+
+def training_texts(manifest: Manifest, template: PromptTemplate):
+    """The text a tokenizer for this data should know: the template and every training record."""
+    yield template.pairwise + template.pointwise
+    for shard in manifest.shards("train"):
+        for _, obj in iter_shard(shard.url):
+            r = parse_train(obj)
+            yield "\n".join(r.a_criteria + r.b_criteria + tuple(m.content for m in r.model_a + r.model_b))
+
+
+def load_or_train_tokenizer(model: DictConfig, manifest: Manifest, run_dir: Path):
+    """The model's tokenizer; a tiny model trains a BPE on the training data once per run dir."""
+    from transformers import AutoTokenizer
+
+    source = model.tokenizer or model.path
+    if source:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    saved = run_dir / "tokenizer"
+    if (saved / "tokenizer.json").is_file():  # a resumed run must keep its vocabulary
+        return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    from crm.models.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(training_texts(manifest, PromptTemplate()), model.vocab_size)
+    tokenizer.save_pretrained(saved)
+    log.info("trained a %d-token BPE on the training data: %s", len(tokenizer), saved)
+    return tokenizer
+
+
+def build_transform(cfg: DictConfig) -> TransformConfig:
+    t = cfg.transform
+    return TransformConfig(direction=cfg.direction.name, noise=cfg.noise.name,
+                           arithmetic=t.arithmetic, swap_prob=t.swap_prob, ties=t.ties,
+                           redraw_each_epoch=t.redraw_each_epoch)
+
+
+def crm_kwargs(model: DictConfig, loss: DictConfig, tokenizer) -> dict:
+    """Arguments of crm.models.factory.build_crm from the model and loss groups."""
+    arch = model.arch
+    if isinstance(arch, DictConfig):  # the tiny model: its vocabulary is the trained tokenizer's
+        arch = {**arch, "vocab_size": len(tokenizer)}
+    return dict(path=model.path, arch=arch, attention=model.attention,
+                dtype=DTYPES[model.dtype], pad_token_id=tokenizer.pad_token_id,
+                margin=loss.get("margin", 0.0), center_coef=loss.get("center_coef", 0.0))
+
+
+def world_size(trainer: DictConfig) -> int:
+    devices = trainer.devices
+    if devices in ("auto", -1, "-1"):
+        gpu = trainer.accelerator in ("gpu", "cuda") or (trainer.accelerator == "auto"
+                                                        and torch.cuda.is_available())
+        devices = torch.cuda.device_count() if gpu else 1
+    elif isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
+        devices = len(devices)
+    return int(devices) * int(trainer.get("num_nodes", 1))
+
+
+def resolve_resume(resume, run_dir: Path) -> str | None:
+    """auto: this run dir's last.ckpt if it exists; a path: that checkpoint; false: none."""
+    if resume in (None, False, "false", "False"):
+        return None
+    if resume == "auto":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if last.exists():
+            log.info("resuming from %s", last)
+            return str(last)
+        return None
+    if not Path(resume).exists():
+        raise FileNotFoundError(f"resume={resume}: no such checkpoint")
+    return str(resume)
+
+
+def checkpoint_callbacks(run_dir: Path, cfg: DictConfig):
+    """The best model by val/loss, and last.ckpt every `save_every_n_steps` for resume."""
+    ckpt_dir = run_dir / "checkpoints"
+    best = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
+        enable_version_counter=False)
+    last = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=ckpt_dir, save_top_k=0, save_last=True, every_n_train_steps=cfg.save_every_n_steps,
+        enable_version_counter=False)
+    return best, last
+
+
+def make_logger(logger: DictConfig, run_dir: Path, name: str):
+    if logger.name == "none":
+        return False
+    if logger.name == "csv":
+        return L.pytorch.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version="")
+    if logger.name == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")  # no key, no network unless asked
+        run_id = os.environ.get("SLURM_JOB_ID")  # a requeued job continues its own wandb run
+        return L.pytorch.loggers.WandbLogger(
+            project=logger.project, entity=logger.entity, group=logger.group, tags=list(logger.tags),
+            name=name, save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
+    raise ValueError(f"logger {logger.name!r}: expected csv, wandb or none")

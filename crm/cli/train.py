@@ -1,0 +1,111 @@
+"""crm-train: compose the config, then data -> model -> fit -> export -> evaluate (metrics.json)."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from crm.cli.common import (build_transform, checkpoint_callbacks, crm_kwargs,
+                            load_or_train_tokenizer, make_logger, prepare_data, resolve_resume,
+                            world_size, write_json)
+from crm.data.manifest import load_manifest
+from crm.data.stream import StreamConfig
+from crm.lit.callbacks import ExportBest
+from crm.lit.datamodule import CRMDataModule
+from crm.lit.module import CRMModule, OptimConfig
+from crm.models.factory import build_crm
+from crm.prompts import PromptTemplate
+
+log = logging.getLogger("crm.train")
+
+
+def accumulation(global_batch: int, micro_batch: int, world: int) -> int:
+    per_step = micro_batch * world
+    if global_batch % per_step:
+        raise ValueError(f"global_batch_size={global_batch} is not a multiple of micro_batch_size="
+                         f"{micro_batch} x {world} ranks; accumulation must be a whole number")
+    return global_batch // per_step
+
+
+def train(cfg: DictConfig) -> dict:
+    started = time.time()
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    L.seed_everything(cfg.seed, workers=True)
+    shard_dir = prepare_data(cfg.data)
+    manifest = load_manifest(shard_dir)
+    tokenizer = load_or_train_tokenizer(cfg.model, manifest, run_dir)
+    template = PromptTemplate()
+    kind = cfg.loss.kind
+    transform = build_transform(cfg)
+    make_crm = partial(build_crm, kind, num_labels=transform.num_labels,
+                       **crm_kwargs(cfg.model, cfg.loss, tokenizer))
+    accum = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world_size(cfg.trainer))
+    stream = StreamConfig(batch_size=cfg.micro_batch_size, mode=kind, seed=cfg.seed,
+                          max_tokens=cfg.stream.max_tokens, min_turn_tokens=cfg.stream.min_turn_tokens,
+                          shuffle_buffer=cfg.stream.shuffle_buffer,
+                          window_batches=cfg.stream.window_batches, template=template)
+    datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform,
+                               num_workers=cfg.stream.num_workers)
+    module = CRMModule(make_crm, OptimConfig(**cfg.optim))
+
+    best, last = checkpoint_callbacks(run_dir, cfg)
+    callbacks = [best, last, L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")]
+    if cfg.early_stopping_patience:
+        callbacks.append(L.pytorch.callbacks.EarlyStopping(
+            monitor="val/loss", patience=cfg.early_stopping_patience, mode="min"))
+    export_dir = run_dir / "export"
+    if cfg.export:
+        callbacks.append(ExportBest(export_dir, tokenizer, kind=kind, template=template,
+                                    max_tokens=cfg.stream.max_tokens,
+                                    extra={"config": OmegaConf.to_container(cfg, resolve=True)}))
+    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True),
+                        accumulate_grad_batches=accum, callbacks=callbacks,
+                        logger=make_logger(cfg.logger, run_dir, cfg.name),
+                        val_check_interval=cfg.val_every_n_steps * accum,
+                        check_val_every_n_epoch=None, default_root_dir=str(run_dir))
+    ckpt_path = resolve_resume(cfg.resume, run_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+
+    metrics = {
+        "run_dir": str(run_dir),
+        "train": {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
+                  "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
+                  "resumed_from": ckpt_path, "accumulation": accum,
+                  "wall_seconds": round(time.time() - started, 1)},
+    }
+    if cfg.export and cfg.evaluate and cfg.data.test_files and trainer.is_global_zero:
+        from crm.cli.eval import evaluate_files
+        from crm.scoring import CRMScorer
+
+        scorer = CRMScorer.from_export(export_dir, batch_size=64)
+        metrics["eval"], _ = evaluate_files(scorer, cfg.data.test_files)
+    metrics["wall_seconds"] = round(time.time() - started, 1)
+    if trainer.is_global_zero:
+        write_json(run_dir / "metrics.json", metrics)
+    return metrics
+
+
+def _float(x) -> float | None:
+    return None if x is None else round(float(x), 6)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    metrics = train(cfg)
+    if "eval" in metrics:
+        for path, m in metrics["eval"].items():
+            print(f"{Path(path).stem:>20}: accuracy {m['accuracy_mean']:.4f} "
+                  f"(given {m['accuracy']:.4f}, swapped {m['accuracy_swapped']:.4f}, "
+                  f"flip {m['flip_rate']:.4f})")
+    print(f"metrics: {metrics['run_dir']}/metrics.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

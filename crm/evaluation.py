@@ -1,0 +1,70 @@
+"""Accuracy of a CRM on test files (DESIGN section 8): strict, in both orders, with flip and tie rates."""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from crm.records import TestRecord
+from crm.transforms import LABEL_A, LABEL_B, LABEL_TIE, eval_example
+
+VERDICT_NAMES = {LABEL_A: "model_a", LABEL_B: "model_b", LABEL_TIE: "tie", None: "score_tie"}
+
+
+def verdict(probs: Sequence[float]) -> int | None:
+    """The label with the highest probability; None when the top two are equal (a score tie)."""
+    ranked = sorted(range(len(probs)), key=lambda i: -probs[i])
+    return None if probs[ranked[0]] == probs[ranked[1]] else ranked[0]
+
+
+def unswap(probs: torch.Tensor) -> torch.Tensor:
+    """Probabilities computed on the B/A order, expressed for the A/B order."""
+    return probs[:, [1, 0, 2]]
+
+
+def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tensor,
+                     topics: list[str | None]) -> dict:
+    """`given` and `swapped` are (n, 3) P(A), P(B), P(tie) in the A/B order of the file.
+
+    Strict: a score tie is wrong. The flip rate is the share of records whose verdict changes
+    when A and B are swapped (a position-biased judge flips).
+    """
+    n = len(labels)
+    v_given = [verdict(p.tolist()) for p in given]
+    v_swapped = [verdict(p.tolist()) for p in swapped]
+    ok_given = [v == y for v, y in zip(v_given, labels)]
+    ok_swapped = [v == y for v, y in zip(v_swapped, labels)]
+    rate = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
+    metrics = {
+        "n": n,
+        "accuracy": rate(ok_given),
+        "accuracy_swapped": rate(ok_swapped),
+        "accuracy_mean": rate(ok_given + ok_swapped),
+        "flip_rate": rate([a != b for a, b in zip(v_given, v_swapped)]),
+        "tie_rate": rate([v in (None, LABEL_TIE) for v in v_given + v_swapped]),
+        "gold_ties": sum(y == LABEL_TIE for y in labels),
+    }
+    by_topic = defaultdict(list)
+    for topic, a, b in zip(topics, ok_given, ok_swapped):
+        if topic is not None:
+            by_topic[topic] += [a, b]
+    if by_topic:
+        metrics["accuracy_mean_by_topic"] = {t: rate(v) for t, v in sorted(by_topic.items())}
+    return metrics
+
+
+def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[dict]]:
+    """(metrics, one prediction dict per record) for a CRMScorer on test records."""
+    labels = [eval_example(r).label for r in records]
+    given = scorer.pair_probabilities([eval_example(r) for r in records])
+    swapped = unswap(scorer.pair_probabilities([eval_example(r, swapped=True) for r in records]))
+    metrics = accuracy_metrics(labels, given, swapped, [r.topic for r in records])
+    predictions = [
+        {"idx": r.idx, "topic": r.topic, "preference": r.preference,
+         "p_given": [round(x, 6) for x in g.tolist()], "p_swapped": [round(x, 6) for x in s.tolist()],
+         "verdict": VERDICT_NAMES[verdict(g.tolist())],
+         "verdict_swapped": VERDICT_NAMES[verdict(s.tolist())]}
+        for r, g, s in zip(records, given, swapped)
+    ]
+    return metrics, predictions

@@ -1,0 +1,90 @@
+"""The two CRM heads over a Qwen3 sequence classifier, and their losses.
+
+Both read the head at each row's last attended token, found from the attention mask (not from the
+pad id, which breaks when pad == eos). Rows are right padded. The wrapped model is a plain
+`Qwen3ForSequenceClassification`, so an export loads with `AutoModelForSequenceClassification`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    last = attention_mask.sum(dim=1) - 1
+    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    return model.score(pooled)
+
+
+class PairwiseCRM(nn.Module):
+    """criteria + query + A + B in one sequence -> logits over {A, B} (and tie with 3 labels)."""
+
+    kind = "pairwise"
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    @property
+    def num_labels(self) -> int:
+        return self.model.config.num_labels
+
+    def forward(self, input_ids, attention_mask):
+        return last_token_logits(self.model, input_ids, attention_mask)
+
+    def loss(self, batch: dict) -> dict:
+        """L_cls: cross-entropy over the labels; logged metrics alongside."""
+        labels = batch["labels"]
+        if not labels.numel():
+            return _empty_batch_loss(self, batch)
+        logits = self(batch["input_ids"], batch["attention_mask"]).float()
+        loss = F.cross_entropy(logits, labels)
+        return {"loss": loss, "acc": (logits.argmax(-1) == labels).float().mean(),
+                "n": labels.numel()}
+
+
+class PointwiseCRM(nn.Module):
+    """criteria + query + one response -> a scalar reward; Bradley-Terry over chosen/rejected.
+
+    A batch holds the n chosen rows, then their n rejected rows: one forward for both (one FSDP
+    all-gather per step, not two).
+    """
+
+    kind = "pointwise"
+    num_labels = 1
+
+    def __init__(self, model: nn.Module, margin: float = 0.0, center_coef: float = 0.0):
+        super().__init__()
+        self.model, self.margin, self.center_coef = model, margin, center_coef
+
+    def forward(self, input_ids, attention_mask):
+        return last_token_logits(self.model, input_ids, attention_mask).squeeze(-1)
+
+    def loss(self, batch: dict) -> dict:
+        """L_ranking: -log sigmoid(r_c - r_r - margin) (+ center_coef * (r_c + r_r)^2)."""
+        if not batch["input_ids"].shape[0]:
+            return _empty_batch_loss(self, batch)
+        rewards = self(batch["input_ids"], batch["attention_mask"]).float()
+        n = rewards.shape[0] // 2
+        chosen, rejected = rewards[:n], rewards[n:]
+        diff = chosen - rejected
+        loss = -F.logsigmoid(diff - self.margin).mean()
+        if self.center_coef:
+            # Reward centering (Eisenstein et al. 2023): keeps rewards near zero so that scores
+            # from different runs are comparable.
+            loss = loss + self.center_coef * ((chosen + rejected) ** 2).mean()
+        return {"loss": loss, "acc": (diff > 0).float().mean(), "n": n,
+                "reward_chosen": chosen.mean(), "reward_rejected": rejected.mean(),
+                "margin": diff.mean()}
+
+
+def _empty_batch_loss(crm: nn.Module, batch: dict) -> dict:
+    """A zero loss for a batch whose every example the length policy dropped.
+
+    The rank still steps with the others: one forward of a single pad token, times zero, so the
+    gradient collectives see every parameter (an empty tensor cannot pass through attention).
+    """
+    ids = torch.full((1, 1), crm.model.config.pad_token_id, device=batch["input_ids"].device)
+    return {"loss": crm(ids, torch.ones_like(ids)).float().sum() * 0.0, "n": 0}

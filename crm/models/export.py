@@ -1,0 +1,58 @@
+"""A trained CRM as a Hugging Face directory: safetensors weights, tokenizer with its chat template,
+and `crm.json` (kind, label map, prompt template, length limit, format version).
+
+Plain `AutoModelForSequenceClassification.from_pretrained(dir)` + `AutoTokenizer` load it; crm's
+own loaders read `crm.json` to render prompts exactly as in training.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from crm.prompts import PromptTemplate
+
+FORMAT_VERSION = 1
+META = "crm.json"
+LABEL_NAMES = {1: ["reward"], 2: ["model_a", "model_b"], 3: ["model_a", "model_b", "tie"]}
+
+
+def export_crm(model, tokenizer, out_dir: str | Path, *, kind: str, template: PromptTemplate,
+               max_tokens: int, extra: dict | None = None, state_dict: dict | None = None) -> Path:
+    """Write `model` (a Qwen3ForSequenceClassification) to `out_dir`; `state_dict` overrides its
+    weights (a consolidated checkpoint)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = LABEL_NAMES[model.config.num_labels]
+    model.config.id2label = dict(enumerate(names))
+    model.config.label2id = {n: i for i, n in enumerate(names)}
+    model.save_pretrained(out, state_dict=state_dict)
+    tokenizer.save_pretrained(out)
+    meta = {"format_version": FORMAT_VERSION, "kind": kind, "labels": names,
+            "template": asdict(template), "max_tokens": max_tokens, **(extra or {})}
+    (out / META).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out
+
+
+def read_meta(export_dir: str | Path) -> dict:
+    path = Path(export_dir) / META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: not a crm export (no {META})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {meta.get('format_version')!r}, this crm reads "
+                         f"{FORMAT_VERSION}")
+    return meta
+
+
+def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32, attention: str = "sdpa"):
+    """(model, tokenizer, template, meta) from an export directory, offline."""
+    meta = read_meta(export_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        export_dir, dtype=dtype, attn_implementation=attention, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
+    return model.eval(), tokenizer, PromptTemplate(**meta["template"]), meta

@@ -1,0 +1,112 @@
+"""Small builders shared by tests: hand-made training records, shard directories, a tiny tokenizer.
+
+Import as `from helpers import ...` (pytest puts tests/ on sys.path: the directory has no __init__).
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import tarfile
+from pathlib import Path
+
+from crm.data.manifest import load_manifest, write_manifest
+from crm.prompts import PAIRWISE_TEMPLATE, POINTWISE_TEMPLATE
+
+WINNERS = ("model_a", "model_b")
+
+# Words the tiny tokenizer learns merges from; anything else still encodes (byte-level BPE).
+CORPUS = [
+    PAIRWISE_TEMPLATE, POINTWISE_TEMPLATE,
+    "alpha reply beta reply follow up question criterion answer query the a of and to is",
+    "User: Assistant: System: concise friendly detailed accurate [...]",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer with the Qwen chat layout, trained in milliseconds (cached)."""
+    from crm.models.tokenizer import train_bpe_tokenizer
+    return train_bpe_tokenizer(CORPUS * 4, vocab_size=vocab_size)
+
+
+def train_dict(key: str, winner: str = "model_a", *, words: int = 0, turns: int = 1,
+               n_criteria: int = 2) -> dict:
+    """A training-format record whose texts name its key.
+
+    model_a answers "alpha reply KEY", model_b "beta reply KEY" (plus `words` filler words each, to
+    vary lengths); `turns` > 1 adds follow-up turns to model_a. Criteria are "KEY a0.." / "KEY b0..".
+    """
+    query = f"question {key}"
+    filler = " ".join(f"w{i}" for i in range(words))
+    a = [{"role": "user", "content": query},
+         {"role": "assistant", "content": f"alpha reply {key} {filler}".rstrip()}]
+    for t in range(1, turns):
+        a += [{"role": "user", "content": f"follow up {t} {key}"},
+              {"role": "assistant", "content": f"alpha turn {t} {key}"}]
+    b = [{"role": "user", "content": query},
+         {"role": "assistant", "content": f"beta reply {key} {filler}".rstrip()}]
+    return {
+        "idx": key,
+        "topic": "t",
+        "human_winner": winner,
+        "model_a": a,
+        "model_b": b,
+        "a_criteria": [f"{key} a{i}" for i in range(n_criteria)],
+        "b_criteria": [f"{key} b{i}" for i in range(n_criteria)],
+        "a_broad_criteria_topic": [10 + i for i in range(n_criteria)],
+        "b_broad_criteria_topic": [20 + i for i in range(n_criteria)],
+    }
+
+
+def make_records(n: int, *, tie_every: int = 0, prefix: str = "k", vary_length: bool = True) -> list[
+        tuple[str, dict]]:
+    """`n` (key, record) pairs with unique keys; every `tie_every`-th record is a tie (0: none)."""
+    out = []
+    for i in range(n):
+        key = f"{prefix}{i:04d}"
+        if tie_every and i % tie_every == tie_every - 1:
+            winner = "tie"
+        else:
+            winner = WINNERS[(i * 7 // 3) % 2]
+        out.append((key, train_dict(key, winner, words=(i * 5) % 13 if vary_length else 0)))
+    return out
+
+
+def write_tar(path: str | Path, members: list[tuple[str, bytes]]) -> Path:
+    """A tar of (member name, bytes), in order."""
+    path = Path(path)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def write_shard_dir(out_dir: str | Path, shards: list[list[tuple[str, dict]]], split: str = "train",
+                    records_override: dict[int, int] | None = None):
+    """Shard tars (one per list, sizes as given) + manifest.json; returns the loaded Manifest.
+
+    `records_override` {shard index: records} makes the manifest claim a different count.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    infos = []
+    for n, items in enumerate(shards):
+        name = f"{split}-{n:06d}.tar"
+        write_tar(out / name, [(f"{k}.json", json.dumps(r).encode()) for k, r in items])
+        records = (records_override or {}).get(n, len(items))
+        infos.append({"url": name, "records": records,
+                      "ties": sum(r["human_winner"] == "tie" for _, r in items)})
+    write_manifest(out, {"splits": {split: {"shards": infos}}})
+    return load_manifest(out)
+
+
+def split_sizes(items: list, sizes: list[int]) -> list[list]:
+    assert sum(sizes) == len(items), (sizes, len(items))
+    out, i = [], 0
+    for s in sizes:
+        out.append(items[i:i + s])
+        i += s
+    return out
