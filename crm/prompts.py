@@ -180,7 +180,8 @@ class PromptEncoder:
             if len(ids) <= self.max_tokens:
                 self.stats.shortened += 1
                 return ids
-            excess += (len(ids) - self.max_tokens) * sum(n > cap for n in lengths)
+            # At least one token per capped message, so the cap always moves down.
+            excess += max(len(ids) - self.max_tokens, sum(n > cap for n in lengths))
         self.stats.dropped += 1
         return None
 

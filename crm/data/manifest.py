@@ -57,12 +57,19 @@ def load_manifest(path: str | Path) -> Manifest:
                          f"this crm reads {FORMAT!r} version {FORMAT_VERSION}")
     root = str(path.parent)
     splits = {
-        name: [ShardInfo(posixpath.join(root, s["url"]), s["records"], s.get("ties", 0))
+        name: [ShardInfo(_resolve(root, s["url"]), s["records"], s.get("ties", 0))
                for s in split["shards"]]
         for name, split in raw["splits"].items()
     }
     pool = raw.get("criteria_pool")
     return Manifest(root, splits, CriteriaPool.from_dict(pool) if pool else None, raw)
+
+
+def _resolve(root: str, url: str) -> str:
+    """Shard urls are relative to the manifest unless absolute (a path, `pipe:`, or a URL)."""
+    if url.startswith(("/", "pipe:")) or "://" in url:
+        return url
+    return posixpath.join(root, url)
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> Path:

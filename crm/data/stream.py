@@ -178,7 +178,7 @@ class PairStream(IterableDataset):
             position=torch.tensor(position),
             rendered=torch.tensor(stats.rendered),  # prompts (two per record when pointwise)
             shortened=torch.tensor(stats.shortened),
-            dropped=torch.tensor(stats.dropped),
+            dropped=torch.tensor(len(examples) - len(keys)),  # examples lost to the length policy
         )
         if self.cfg.mode == "pairwise":
             batch["labels"] = torch.tensor(labels, dtype=torch.long)
@@ -223,9 +223,15 @@ class StreamLoader:
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
                             pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor,
                             persistent_workers=False)
-        for batch in loader:
-            self.batches_done += 1
-            yield batch
+        batches = iter(loader)
+        try:
+            for batch in batches:
+                self.batches_done += 1
+                yield batch
+        finally:
+            # On an error or an early stop, stop the workers now; left to the garbage collector,
+            # each worker's join times out after seconds.
+            getattr(batches, "_shutdown_workers", lambda: None)()
         self.epoch, self.batches_done = epoch + 1, 0
 
     def mark_consumed(self, position) -> None:
