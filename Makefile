@@ -5,7 +5,6 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is pinned on the same command line as the package: alone, pip would pull a CUDA build.
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-DEMO_DIR ?= .cache/demo
 
 .PHONY: install demo test test-all clean
 
@@ -16,10 +15,11 @@ $(BIN)/.installed: setup.py
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
 
+# The embedded CPU demo: generate data -> shard -> train the tiny pairwise CRM -> export ->
+# evaluate on the held-out test files (outputs/demo/metrics.json). A rerun resumes the same run;
+# `make demo ARGS="name=other"` starts a new one.
 demo: install
-	$(BIN)/crm-data demo $(DEMO_DIR)/raw
-	$(BIN)/crm-data shard $(DEMO_DIR)/raw/train.jsonl $(DEMO_DIR)/shards
-	$(BIN)/crm-data stats $(DEMO_DIR)/shards
+	$(BIN)/crm-train $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -14,6 +14,8 @@ VERDICT_NAMES = {LABEL_A: "model_a", LABEL_B: "model_b", LABEL_TIE: "tie", None:
 
 def verdict(probs: Sequence[float]) -> int | None:
     """The label with the highest probability; None when the top two are equal (a score tie)."""
+    if any(p != p for p in probs):  # NaN: the pair could not be scored
+        return None
     ranked = sorted(range(len(probs)), key=lambda i: -probs[i])
     return None if probs[ranked[0]] == probs[ranked[1]] else ranked[0]
 
@@ -44,6 +46,7 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
         "flip_rate": rate([a != b for a, b in zip(v_given, v_swapped)]),
         "tie_rate": rate([v in (None, LABEL_TIE) for v in v_given + v_swapped]),
         "gold_ties": sum(y == LABEL_TIE for y in labels),
+        "unscorable": int(torch.isnan(given[:, 0]).sum()),  # too long to fit; counted as wrong
     }
     by_topic = defaultdict(list)
     for topic, a, b in zip(topics, ok_given, ok_swapped):
@@ -57,8 +60,9 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
 def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[dict]]:
     """(metrics, one prediction dict per record) for a CRMScorer on test records."""
     labels = [eval_example(r).label for r in records]
-    given = scorer.pair_probabilities([eval_example(r) for r in records])
-    swapped = unswap(scorer.pair_probabilities([eval_example(r, swapped=True) for r in records]))
+    given = scorer.pair_probabilities([eval_example(r) for r in records], unfit="nan")
+    swapped = unswap(scorer.pair_probabilities([eval_example(r, swapped=True) for r in records],
+                                               unfit="nan"))
     metrics = accuracy_metrics(labels, given, swapped, [r.topic for r in records])
     predictions = [
         {"idx": r.idx, "topic": r.topic, "preference": r.preference,

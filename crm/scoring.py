@@ -65,26 +65,47 @@ class CRMScorer:
                              f"{self.encoder.max_tokens} tokens even with shortened responses")
         return encoded
 
-    def pair_probabilities(self, examples: Sequence[PairExample]) -> torch.Tensor:
-        """(n, 3): P(A), P(B), P(tie) per example (P(tie) = 0 without a tie class)."""
+    def _fitting(self, encoded: list) -> tuple[list[list[int]], torch.Tensor]:
+        """The rows that fit and a mask of which did."""
+        fits = torch.tensor([ids is not None for ids in encoded], dtype=torch.bool)
+        return [ids for ids in encoded if ids is not None], fits
+
+    def pair_probabilities(self, examples: Sequence[PairExample], unfit: str = "raise") -> torch.Tensor:
+        """(n, 3): P(A), P(B), P(tie) per example (P(tie) = 0 without a tie class).
+
+        A pair that cannot fit `max_tokens` raises, or with unfit="nan" gets a row of NaN (an
+        evaluation counts it as wrong and reports how many there were).
+        """
         if self.kind == "pointwise":
-            rewards = self.score_many([(e.criteria, e.query, c) for e in examples
-                                       for c in (e.conv_a, e.conv_b)])
+            rewards = self._rewards([(e.criteria, e.query, c) for e in examples
+                                     for c in (e.conv_a, e.conv_b)], unfit)
             p_a = torch.sigmoid(rewards[0::2] - rewards[1::2])
             return torch.stack([p_a, 1 - p_a, torch.zeros_like(p_a)], dim=1)
-        rows = self._checked(self.encoder.pairwise_many(
-            [(e.criteria, e.query, e.conv_a, e.conv_b) for e in examples]), "pairs")
-        probs = self._logits(rows).softmax(-1)
-        if probs.shape[1] == 2:
-            probs = torch.cat([probs, torch.zeros(len(probs), 1)], dim=1)
+        encoded = self.encoder.pairwise_many([(e.criteria, e.query, e.conv_a, e.conv_b) for e in examples])
+        if unfit == "raise":
+            self._checked(encoded, "pairs")
+        rows, fits = self._fitting(encoded)
+        probs = torch.full((len(examples), 3), float("nan"))
+        scored = self._logits(rows).softmax(-1)
+        probs[fits, :scored.shape[1]] = scored
+        if scored.shape[1] == 2:
+            probs[fits, 2] = 0.0
         return probs
+
+    def _rewards(self, items: Sequence[tuple], unfit: str) -> torch.Tensor:
+        encoded = self.encoder.pointwise_many(list(items))
+        if unfit == "raise":
+            self._checked(encoded, "responses")
+        rows, fits = self._fitting(encoded)
+        rewards = torch.full((len(items),), float("nan"))
+        rewards[fits] = self._logits(rows).squeeze(-1)
+        return rewards
 
     def score_many(self, items: Sequence[tuple]) -> torch.Tensor:
         """Pointwise rewards for [(criteria, query, conversation)]."""
         if self.kind != "pointwise":
             raise ValueError("score_many needs a pointwise CRM; a pairwise CRM compares pairs")
-        rows = self._checked(self.encoder.pointwise_many(list(items)), "responses")
-        return self._logits(rows).squeeze(-1)
+        return self._rewards(items, "raise")
 
     def compare(self, criteria: Sequence[str], query: str, a, b) -> float:
         """Probability that response `a` is preferred to `b` under `criteria`."""

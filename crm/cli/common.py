@@ -61,6 +61,10 @@ def load_or_train_tokenizer(model: DictConfig, manifest: Manifest, run_dir: Path
     saved = run_dir / "tokenizer"
     if (saved / "tokenizer.json").is_file():  # a resumed run must keep its vocabulary
         return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    if not model.vocab_size:
+        raise ValueError(f"model={model.name}: no model.path or model.tokenizer to read a "
+                         "tokenizer from, and no model.vocab_size to train one; set model.path to "
+                         "a local checkpoint dir")
     from crm.models.tokenizer import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(training_texts(manifest, PromptTemplate()), model.vocab_size)
@@ -92,6 +96,9 @@ def world_size(trainer: DictConfig) -> int:
         gpu = trainer.accelerator in ("gpu", "cuda") or (trainer.accelerator == "auto"
                                                         and torch.cuda.is_available())
         devices = torch.cuda.device_count() if gpu else 1
+        if not devices:
+            raise ValueError(f"trainer.devices={trainer.devices} with trainer.accelerator="
+                             f"{trainer.accelerator}, but no CUDA device is visible")
     elif isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
         devices = len(devices)
     return int(devices) * int(trainer.get("num_nodes", 1))

@@ -37,6 +37,12 @@ def accumulation(global_batch: int, micro_batch: int, world: int) -> int:
 def train(cfg: DictConfig) -> dict:
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if str(cfg.trainer.precision).endswith("-mixed") and cfg.model.dtype != "float32":
+        # Lightning's mixed precision autocasts the compute and never converts the parameters:
+        # built in bfloat16, the weights, gradients and AdamW states would all be bfloat16.
+        raise ValueError(f"trainer.precision={cfg.trainer.precision} keeps float32 master weights, "
+                         f"but model.dtype={cfg.model.dtype} builds the parameters in that dtype: "
+                         "set model.dtype=float32, or trainer.precision=bf16-true")
     L.seed_everything(cfg.seed, workers=True)
     shard_dir = prepare_data(cfg.data)
     manifest = load_manifest(shard_dir)
@@ -56,7 +62,10 @@ def train(cfg: DictConfig) -> dict:
     module = CRMModule(make_crm, OptimConfig(**cfg.optim))
 
     best, last = checkpoint_callbacks(run_dir, cfg)
-    callbacks = [best, last, L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")]
+    logger = make_logger(cfg.logger, run_dir, cfg.name)
+    callbacks = [best, last]
+    if logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
+        callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="step"))
     if cfg.early_stopping_patience:
         callbacks.append(L.pytorch.callbacks.EarlyStopping(
             monitor="val/loss", patience=cfg.early_stopping_patience, mode="min"))
@@ -67,7 +76,7 @@ def train(cfg: DictConfig) -> dict:
                                     extra={"config": OmegaConf.to_container(cfg, resolve=True)}))
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True),
                         accumulate_grad_batches=accum, callbacks=callbacks,
-                        logger=make_logger(cfg.logger, run_dir, cfg.name),
+                        logger=logger,
                         val_check_interval=cfg.val_every_n_steps * accum,
                         check_val_every_n_epoch=None, default_root_dir=str(run_dir))
     ckpt_path = resolve_resume(cfg.resume, run_dir)
@@ -75,7 +84,7 @@ def train(cfg: DictConfig) -> dict:
 
     metrics = {
         "run_dir": str(run_dir),
-        "train": {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
+        "train": {"global_step": trainer.global_step,
                   "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
                   "resumed_from": ckpt_path, "accumulation": accum,
                   "wall_seconds": round(time.time() - started, 1)},

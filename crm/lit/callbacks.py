@@ -13,11 +13,11 @@ log = logging.getLogger(__name__)
 PREFIX = "crm.model."
 
 
-def model_state_from_checkpoint(path: str | Path) -> dict:
-    """The HF model's weights from a Lightning checkpoint (tensors only: weights_only=True)."""
+def model_state_from_checkpoint(path: str | Path) -> tuple[dict, int]:
+    """(the HF model's weights, the step) from a Lightning checkpoint (weights_only=True)."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     state = checkpoint["state_dict"]
-    return {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
+    return {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}, checkpoint["global_step"]
 
 
 class ExportBest(L.Callback):
@@ -32,9 +32,9 @@ class ExportBest(L.Callback):
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         if not trainer.is_global_zero:
             return
-        state = model_state_from_checkpoint(best) if best else None
+        state, step = model_state_from_checkpoint(best) if best else (None, trainer.global_step)
         source = best or "final weights (no validation checkpoint)"
         log.info("exporting %s to %s", source, self.out_dir)
         export_crm(pl_module.crm.model, self.tokenizer, self.out_dir, kind=self.kind,
                    template=self.template, max_tokens=self.max_tokens, state_dict=state,
-                   extra={"source": str(source), "global_step": trainer.global_step, **self.extra})
+                   extra={"source": str(source), "global_step": step, **self.extra})

@@ -10,6 +10,18 @@ from crm.data.stream import PairStream, StreamConfig, StreamLoader
 from crm.transforms import TransformConfig
 
 
+class _RestartingLoader(StreamLoader):
+    """A validation loader: every pass reads the split from its start.
+
+    Lightning iterates the same val loader at every validation, and the sanity check (or
+    limit_val_batches) stops it part way; a StreamLoader would resume where that pass stopped.
+    """
+
+    def __iter__(self):
+        self.epoch, self.batches_done = 0, 0
+        return super().__iter__()
+
+
 class CRMDataModule(L.LightningDataModule):
     """Train and validation streams from a shard directory made by `crm-data shard`.
 
@@ -29,11 +41,12 @@ class CRMDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
 
-    def _loader(self, split: str, stream: StreamConfig, transform: TransformConfig) -> StreamLoader:
+    def _loader(self, split: str, stream: StreamConfig, transform: TransformConfig,
+                loader: type[StreamLoader] = StreamLoader) -> StreamLoader:
         rank, world = self._rank_world()
         dataset = PairStream(self.manifest.shards(split), self.tokenizer, stream, transform,
                              self.manifest.criteria_pool, rank=rank, world=world)
-        return StreamLoader(dataset, num_workers=self.num_workers)
+        return loader(dataset, num_workers=self.num_workers)
 
     def train_dataloader(self) -> StreamLoader:
         self.train_loader = self._loader("train", self.stream, self.transform)
@@ -42,7 +55,8 @@ class CRMDataModule(L.LightningDataModule):
     def val_dataloader(self) -> StreamLoader:
         # Validation sees a fixed order and one fixed draw per record, so its loss is comparable
         # across evaluations.
-        return self._loader(self.val_split, replace(self.stream, shuffle=False), self.transform)
+        return self._loader(self.val_split, replace(self.stream, shuffle=False), self.transform,
+                            _RestartingLoader)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Lightning fetches one batch ahead; a batch is consumed when it reaches the step, so the

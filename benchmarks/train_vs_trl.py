@@ -1,0 +1,190 @@
+"""Pointwise CRM training throughput: crm (Lightning) vs TRL's RewardTrainer, same work, on CPU.
+
+Same tiny Qwen3 architecture (configs/model/tiny.yaml) and initial weights, the same demo pairs
+rendered to the same token ids (criteria + query + response, chosen and rejected), the same batch
+size, AdamW at the same lr. TRL gets the pairs pre-tokenized; crm streams and tokenizes them
+in-process inside the timed loop. Runs alternate (crm, TRL, crm, TRL, ...) so machine noise hits
+both alike; each run's first steps (warm-up) are not timed. Prints one JSON document: samples/s
+of each (median over rounds), their ratio, real-token fraction of each, and crm's pairwise
+samples/s on the same data.
+
+    python benchmarks/train_vs_trl.py [--steps 60] [--rounds 3] [--batch-size 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+
+from crm.data.manifest import load_manifest
+from crm.data.reader import iter_shard
+from crm.data.stream import StreamConfig
+from crm.lit.datamodule import CRMDataModule
+from crm.lit.module import CRMModule, OptimConfig
+from crm.models.factory import build_crm
+from crm.models.tokenizer import train_bpe_tokenizer
+from crm.prompts import PromptEncoder, PromptTemplate
+from crm.records import parse_train
+from crm.transforms import LABEL_A, TransformConfig, record_rng, train_example
+from data_tools.demo import write_demo
+from data_tools.shard import shard
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+WARMUP_STEPS = 5
+LR = 1e-3
+
+
+class StepTimer(L.Callback):
+    """Seconds and samples from the end of warm-up to the last step."""
+
+    def __init__(self):
+        self.start, self.samples, self.real, self.computed = None, 0, 0, 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == WARMUP_STEPS and self.start is None:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.start is not None:
+            self.samples += len(batch["keys"])
+            self.real += int(batch["attention_mask"].sum())
+            self.computed += batch["input_ids"].numel()
+            self.end = time.perf_counter()
+
+
+def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args) -> dict:
+    torch.manual_seed(0)
+    transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
+    stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens)
+    data = CRMDataModule(manifest_dir, tokenizer, stream, transform)
+    make = lambda: build_crm(kind, num_labels=2, pad_token_id=tokenizer.pad_token_id,  # noqa: E731
+                             arch=arch, attention="sdpa")
+    module = CRMModule(make, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0))
+    timer = StepTimer()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
+    trainer.fit(module, datamodule=data)
+    seconds = timer.end - timer.start
+    return {"samples_per_s": timer.samples / seconds, "real_token_fraction": timer.real / timer.computed}
+
+
+def trl_pairs(manifest, tokenizer, args) -> list[dict]:
+    """The pairs crm trains on, as TRL's pre-tokenized chosen_ids / rejected_ids."""
+    transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
+    encoder = PromptEncoder(tokenizer, PromptTemplate(), args.max_tokens)
+    rows = []
+    for shard_info in manifest.shards("train"):
+        for key, obj in iter_shard(shard_info.url):
+            record = parse_train(obj)
+            if record.human_winner == "tie":
+                continue
+            ex = train_example(record, key, transform, record_rng(0, 0, key))
+            win, lose = (ex.conv_a, ex.conv_b) if ex.label == LABEL_A else (ex.conv_b, ex.conv_a)
+            c, r = encoder.pointwise_many([(ex.criteria, ex.query, win), (ex.criteria, ex.query, lose)])
+            if c is not None and r is not None:
+                rows.append({"chosen_ids": c, "rejected_ids": r})
+    return rows
+
+
+def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    class Timer(TrainerCallback):
+        start = end = None
+        samples = real = computed = 0
+
+        def on_step_begin(self, targs, state, control, **kw):
+            if state.global_step == WARMUP_STEPS and self.start is None:
+                self.start = time.perf_counter()
+
+        def on_step_end(self, targs, state, control, **kw):
+            if self.start is not None:
+                self.end = time.perf_counter()
+
+    torch.manual_seed(0)
+    model = build_crm("pointwise", num_labels=1, pad_token_id=tokenizer.pad_token_id, arch=arch,
+                      attention="sdpa").model
+    config = RewardConfig(output_dir=out_dir, per_device_train_batch_size=args.batch_size,
+                          max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant",
+                          weight_decay=0.0, use_cpu=True, report_to="none", save_strategy="no",
+                          logging_steps=10_000, disable_tqdm=True, dataloader_num_workers=0,
+                          max_length=None, seed=0)
+    timer = Timer()
+    trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
+                            processing_class=tokenizer, callbacks=[timer])
+    # Real tokens of the batches TRL forms (the same sampler, replayed): padded to the longest.
+    real = computed = 0
+    for i, batch in enumerate(trainer.get_train_dataloader()):
+        if i >= args.steps:
+            break
+        real += int(batch["attention_mask"].sum())
+        computed += batch["input_ids"].numel()
+    trainer.train()
+    timed_steps = args.steps - WARMUP_STEPS
+    return {"samples_per_s": timed_steps * args.batch_size / (timer.end - timer.start),
+            "real_token_fraction": real / computed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60, help="steps per run (the first 5 untimed)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating runs of each trainer")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--n-train", type=int, default=3000)
+    args = p.parse_args()
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+    tiny = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
+    with tempfile.TemporaryDirectory() as tmp:
+        write_demo(f"{tmp}/raw", seed=0, n_train=args.n_train, n_test=10, n_bench=4)
+        shard([f"{tmp}/raw/train.jsonl"], f"{tmp}/shards", shard_size=1000)
+        manifest = load_manifest(f"{tmp}/shards")
+        texts = (" ".join(r.a_criteria + r.b_criteria + tuple(m.content for m in r.model_a + r.model_b))
+                 for r in (parse_train(o) for s in manifest.shards("train") for _, o in iter_shard(s.url)))
+        tokenizer = train_bpe_tokenizer(texts, tiny["vocab_size"])
+        arch = {**tiny["arch"], "vocab_size": len(tokenizer)}
+        rows = trl_pairs(manifest, tokenizer, args)
+
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(crm_run("pointwise", f"{tmp}/shards", tokenizer, arch, args))
+            theirs.append(trl_run(rows, tokenizer, arch, f"{tmp}/trl", args))
+        pairwise = crm_run("pairwise", f"{tmp}/shards", tokenizer, arch, args)
+
+    median = lambda runs, k: round(statistics.median(r[k] for r in runs), 2)  # noqa: E731
+    result = {
+        "setup": {"arch": arch, "batch_size": args.batch_size, "steps_per_run": args.steps,
+                  "timed_steps": args.steps - WARMUP_STEPS, "rounds": args.rounds,
+                  "pairs_available": len(rows), "torch_threads": torch.get_num_threads()},
+        "crm_pointwise": {"samples_per_s": median(ours, "samples_per_s"),
+                          "real_token_fraction": median(ours, "real_token_fraction"),
+                          "runs": [round(r["samples_per_s"], 2) for r in ours]},
+        "trl_reward_trainer": {"samples_per_s": median(theirs, "samples_per_s"),
+                               "real_token_fraction": median(theirs, "real_token_fraction"),
+                               "runs": [round(r["samples_per_s"], 2) for r in theirs]},
+        "crm_pairwise": {"samples_per_s": round(pairwise["samples_per_s"], 2),
+                         "real_token_fraction": round(pairwise["real_token_fraction"], 4)},
+    }
+    result["ratio_crm_over_trl"] = round(result["crm_pointwise"]["samples_per_s"]
+                                         / result["trl_reward_trainer"]["samples_per_s"], 2)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

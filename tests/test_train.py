@@ -1,0 +1,471 @@
+"""The training pipeline (crm.cli.train): configs, every loss x noise x direction, the demo chain
+train -> export -> evaluate, resume, precision, batch accumulation and early stopping.
+
+Runs compose the real configs with `hydra.compose` and call `train(cfg)` on a very small Qwen3
+and a small demo data set, generated once per session.
+"""
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from helpers import tiny_tokenizer
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
+
+import crm_configs
+from crm.cli.common import prepare_data, world_size
+from crm.cli.train import accumulation, train
+from crm.data.stream import pad_rows
+from crm.lit.callbacks import model_state_from_checkpoint
+from crm.lit.module import CRMModule, OptimConfig
+from crm.models.factory import build_crm
+
+CONFIG_DIR = Path(crm_configs.__file__).parent
+
+TINY_MODEL = ["model.arch.hidden_size=32", "model.arch.num_hidden_layers=1",
+              "model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=1",
+              "model.arch.head_dim=16", "model.arch.intermediate_size=64",
+              "model.arch.max_position_embeddings=512", "model.vocab_size=1024"]
+TINY_DEMO = ["data.demo.n_train=200", "data.demo.n_test=20", "data.demo.n_bench=4"]
+# Two optimizer steps of 4 records, no sanity-check validation, no export; validation only when a
+# test asks for it.
+FAST = ["micro_batch_size=4", "global_batch_size=4", "stream.max_tokens=256",
+        "stream.shuffle_buffer=64", "stream.window_batches=4", "trainer.max_steps=2",
+        "val_every_n_steps=100", "save_every_n_steps=100", "optim.warmup_steps=0",
+        "logger=none", "trainer.enable_progress_bar=false", "+trainer.enable_model_summary=false",
+        "+trainer.num_sanity_val_steps=0", "export=false", "evaluate=false"]
+
+
+def config_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def config_groups() -> list[tuple[str, str]]:
+    """(group, option) for every YAML file in a subdirectory of configs/ (nested groups too)."""
+    return sorted((str(p.parent.relative_to(CONFIG_DIR)), p.stem)
+                  for p in CONFIG_DIR.rglob("*.yaml") if p.parent != CONFIG_DIR)
+
+
+def compose_train(overrides: list[str], hydra_node: bool = False):
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra_node)
+
+
+def run_train(root: Path, run_dir: Path, *overrides: str, tiny: bool = True,
+              demo: bool = True) -> dict:
+    """train(cfg) as `crm-train` runs it: Hydra's runtime.output_dir set, the hydra node removed."""
+    base = (TINY_MODEL if tiny else []) + (TINY_DEMO if demo else []) + FAST
+    cfg = compose_train([*base, f"paths.root_dir={root}", f"paths.output_dir={run_dir}",
+                         *overrides], hydra_node=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        return train(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add overhead (and stall when another process holds the
+    cores: 2 threads measured 12x slower than 1 on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory) -> Path:
+    """A paths.root_dir whose cache holds the (small) demo data, generated once per session."""
+    root = tmp_path_factory.mktemp("crm_root")
+    cfg = compose_train([*TINY_DEMO, f"paths.root_dir={root}"])
+    shard_dir = prepare_data(cfg.data)
+    assert (shard_dir / "manifest.json").is_file()
+    return root
+
+
+def last_ckpt(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+
+
+def optimizer_steps(ckpt: dict) -> set[int]:
+    return {int(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()}
+
+
+def stream_state(ckpt: dict) -> dict:
+    (state,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    return state
+
+
+# -- 1. configs -----------------------------------------------------------------------------------
+
+def test_config_groups_hold_the_documented_options():
+    models = {"tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
+    assert models <= set(config_options("model"))
+    assert {"cls", "ranking"} <= set(config_options("loss"))
+    assert {"none", "add", "remove", "replace", "random"} <= set(config_options("noise"))
+    assert {"original", "reverse", "random"} <= set(config_options("direction"))
+    assert {"demo", "shards"} <= set(config_options("data"))
+    assert {"cpu", "gpu", "ddp"} <= set(config_options("trainer"))
+    assert {"csv", "wandb", "none"} <= set(config_options("logger"))
+
+
+@pytest.mark.parametrize("group,option", config_groups(), ids=lambda x: x)
+def test_every_config_option_composes_and_resolves(group, option, tmp_path):
+    overrides = [f"{group}={option}", f"paths.root_dir={tmp_path}"]
+    if (group, option) == ("data", "shards"):
+        overrides.append(f"data.path={tmp_path}/shards")
+    cfg = compose_train(overrides, hydra_node=group.startswith("hydra"))
+    with open_dict(cfg):
+        cfg.pop("hydra", None)  # resolved by Hydra at run time (hydra.job.num and such)
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    node = OmegaConf.select(cfg, group.replace("/", "."))
+    if group in ("model", "loss", "noise", "direction", "data", "logger"):
+        assert node.name == option  # the option names itself (run names and reports use it)
+    if group == "trainer":
+        # trainer.* are Lightning Trainer arguments, passed as they are.
+        import inspect
+        assert set(resolved["trainer"]) <= set(inspect.signature(L.Trainer).parameters)
+    if group == "model" and option != "tiny":
+        from crm.models.backbone import ARCHITECTURES
+        assert resolved["model"]["arch"] in ARCHITECTURES
+    assert resolved["paths"]["root_dir"] == str(tmp_path)
+
+
+def test_world_size_and_accumulation_of_the_trainer_configs():
+    assert world_size(compose_train(["trainer=cpu"]).trainer) == 1
+    assert world_size(compose_train(["trainer=ddp"]).trainer) == 2
+    assert world_size(compose_train(["trainer=ddp", "trainer.num_nodes=3"]).trainer) == 6
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device is visible"):
+            world_size(compose_train(["trainer=gpu"]).trainer)
+    assert accumulation(32, 4, 1) == 8
+    assert accumulation(32, 8, 2) == 2
+    with pytest.raises(ValueError, match="not a multiple of micro_batch_size=8 x 3 ranks"):
+        accumulation(32, 8, 3)
+
+
+# -- 2. every loss x noise x direction ------------------------------------------------------------
+
+COMBINATIONS = [(loss, noise, direction) for loss in config_options("loss")
+                for noise in config_options("noise") for direction in config_options("direction")]
+
+
+@pytest.mark.parametrize("loss,noise,direction", COMBINATIONS,
+                         ids=["-".join(c) for c in COMBINATIONS])
+def test_every_loss_noise_direction_trains(loss, noise, direction, demo_root, tmp_path):
+    run_dir = tmp_path / "run"
+    # One validation, at the last step: its loss is in metrics.json.
+    metrics = run_train(demo_root, run_dir, f"loss={loss}", f"noise={noise}",
+                        f"direction={direction}", "val_every_n_steps=2")
+    train_m = metrics["train"]
+    assert train_m["global_step"] == 2
+    assert train_m["resumed_from"] is None
+    assert math.isfinite(train_m["best_val_loss"]) and train_m["best_val_loss"] > 0
+    assert json.loads((run_dir / "metrics.json").read_text())["train"] == train_m
+    assert "eval" not in metrics and not (run_dir / "export").exists()
+
+
+def test_user_shards_train(tmp_path):
+    from data_tools.shard import shard
+    from helpers import make_records
+
+    source = tmp_path / "train.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(48)))
+    manifest = shard([str(source)], tmp_path / "shards", val_fraction=0.25, shard_size=16)
+    assert manifest["splits"]["val"]["counts"]["written"] >= 4  # at least one validation batch
+    run_dir = tmp_path / "run"
+    metrics = run_train(tmp_path, run_dir, "data=shards", f"data.path={tmp_path / 'shards'}",
+                        "noise=add", "val_every_n_steps=2", "export=true", "evaluate=true",
+                        demo=False)
+    assert metrics["train"]["global_step"] == 2
+    assert math.isfinite(metrics["train"]["best_val_loss"])
+    assert "eval" not in metrics  # data.test_files is empty for user shards
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    assert not (tmp_path / ".cache").exists()  # nothing of the demo was generated
+
+
+# -- 3. the demo chain: train -> export -> evaluate -----------------------------------------------
+
+@pytest.mark.parametrize("loss", ["cls", "ranking"])
+def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from crm.models.crm import last_token_logits
+    from crm.records import Message
+    from crm.scoring import CRMScorer
+
+    run_dir = tmp_path / "run"
+    # Evaluation refuses a test pair that cannot fit: 384 tokens fit every demo pair.
+    metrics = run_train(demo_root, run_dir, f"loss={loss}", "trainer.max_steps=4",
+                        "val_every_n_steps=2", "stream.max_tokens=384", "logger=csv",
+                        "trainer.log_every_n_steps=1",
+                        "export=true", "evaluate=true")
+    assert metrics == json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["train"]["global_step"] == 4
+    best = metrics["train"]["best_checkpoint"]
+    assert best == str(run_dir / "checkpoints" / "best.ckpt") and Path(best).is_file()
+
+    test_files = compose_train([f"paths.root_dir={demo_root}"]).data.test_files
+    assert sorted(metrics["eval"]) == sorted(test_files) and len(test_files) == 4
+    for path, m in metrics["eval"].items():
+        assert m["n"] > 0, path
+        for field in ("accuracy", "accuracy_swapped", "accuracy_mean", "flip_rate", "tie_rate"):
+            assert 0.0 <= m[field] <= 1.0, (path, field, m[field])
+    header = (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"train/loss", "val/loss", "step"} <= set(header)
+
+    export = run_dir / "export"
+    meta = json.loads((export / "crm.json").read_text())
+    assert meta["kind"] == ("pairwise" if loss == "cls" else "pointwise")
+    assert meta["source"] == best and meta["max_tokens"] == 384
+    assert meta["config"]["loss"]["name"] == loss
+
+    # Plain transformers loads the export, with the weights of the best checkpoint.
+    model = AutoModelForSequenceClassification.from_pretrained(export, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
+    assert model.config.pad_token_id == tokenizer.pad_token_id is not None
+    assert model.config.num_labels == (2 if loss == "cls" else 1)
+    saved, _ = model_state_from_checkpoint(best)
+    for name, tensor in model.state_dict().items():
+        if name in saved:
+            torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
+    assert set(saved) - set(model.state_dict()) == set()
+
+    # The same logits from plain transformers (the head at the last non-pad token) and CRMScorer.
+    scorer = CRMScorer.from_export(export, device="cpu", dtype=torch.float32)
+    criteria, query = ["answers concisely", "is friendly"], "how do I boil an egg?"
+    a, b = (Message("assistant", "Boil it for nine minutes."),), (Message("assistant", "No idea."),)
+    if loss == "cls":
+        rows = scorer.encoder.pairwise_many([(criteria, query, a, b), (criteria[:1], query, b, a)])
+    else:
+        rows = scorer.encoder.pointwise_many([(criteria, query, a), (criteria, query, b)])
+    assert len(rows[0]) != len(rows[1])  # the batch pads
+    batch = pad_rows(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        plain = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        ours = last_token_logits(scorer.model, batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(plain, ours, rtol=1e-5, atol=1e-5)
+    if loss == "cls":
+        p_a = torch.softmax(plain[0], -1)[0].item()
+    else:
+        p_a = torch.sigmoid(plain[0, 0] - plain[1, 0]).item()
+    p_scorer = scorer.compare(criteria, query, a[0].content, b[0].content)
+    assert p_scorer == pytest.approx(p_a, abs=1e-5)
+
+
+# -- 4. resume ------------------------------------------------------------------------------------
+
+def test_resume_continues_model_optimizer_and_stream(demo_root, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    first = run_train(demo_root, run_dir, "trainer.max_steps=4", "save_every_n_steps=2")
+    assert first["train"]["global_step"] == 4 and first["train"]["resumed_from"] is None
+    ckpt = last_ckpt(run_dir)
+    assert ckpt["global_step"] == 4
+    assert optimizer_steps(ckpt) == {4}  # AdamW's per-parameter step counts
+    # The stream position is the trained one (4 micro batches of epoch 0), not the prefetched one.
+    assert stream_state(ckpt) == {"epoch": 0, "batches_done": 4, "world": 1, "batch_size": 4,
+                                  "seed": 0}
+    weights_at_4 = ckpt["state_dict"]
+
+    seen = {}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if not seen:  # the state the resumed run starts from
+            seen["position"] = batch["position"].tolist()
+            seen["steps"] = {int(s["step"]) for s in self.trainer.optimizers[0].state.values()}
+            seen["weights"] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    monkeypatch.setattr(CRMModule, "on_train_batch_start", on_train_batch_start)
+    second = run_train(demo_root, run_dir, "trainer.max_steps=6", "save_every_n_steps=2",
+                       "resume=auto")
+    last = str(run_dir / "checkpoints" / "last.ckpt")
+    assert second["train"]["resumed_from"] == last
+    assert second["train"]["global_step"] == 6
+    assert seen["position"] == [0, 4]  # the first batch not yet trained on
+    assert seen["steps"] == {4}
+    for name, tensor in weights_at_4.items():
+        torch.testing.assert_close(seen["weights"][name], tensor, rtol=0, atol=0)
+    ckpt = last_ckpt(run_dir)
+    assert ckpt["global_step"] == 6 and optimizer_steps(ckpt) == {6}
+    assert stream_state(ckpt)["batches_done"] == 6
+    assert json.loads((run_dir / "metrics.json").read_text())["train"]["resumed_from"] == last
+
+
+def test_resume_from_a_missing_path_is_a_clear_error(demo_root, tmp_path):
+    missing = tmp_path / "nowhere" / "last.ckpt"
+    with pytest.raises(FileNotFoundError, match=f"resume={missing}: no such checkpoint"):
+        run_train(demo_root, tmp_path / "run", f"resume={missing}")
+
+
+def test_resume_false_starts_over(demo_root, tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(demo_root, run_dir, "save_every_n_steps=2")
+    again = run_train(demo_root, run_dir, "resume=false", "trainer.max_steps=1")
+    assert again["train"]["resumed_from"] is None and again["train"]["global_step"] == 1
+
+
+# -- 5. precision ---------------------------------------------------------------------------------
+
+class DtypeProbe(L.Callback):
+    """Records parameter, head-output, gradient and AdamW state dtypes of a run."""
+
+    def __init__(self):
+        self.seen: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        def hook(module, args, output):
+            self.seen["output"] = output.dtype
+            self.seen["autocast"] = (torch.is_autocast_enabled("cpu")
+                                     and torch.get_autocast_dtype("cpu"))
+        pl_module.crm.model.score.register_forward_hook(hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen["param"] = {p.dtype for p in pl_module.parameters()}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen["grad"] = {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.optimizers[0].state.values()
+        self.seen["exp_avg"] = {s["exp_avg"].dtype for s in state}
+        self.seen["exp_avg_sq"] = {s["exp_avg_sq"].dtype for s in state}
+
+
+def synthetic_batches(tokenizer, n: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        rows = [torch.randint(3, len(tokenizer), (length,), generator=g).tolist()
+                for length in (5, 9, 7, 4)]
+        batch = pad_rows(rows, tokenizer.pad_token_id)
+        batch.update(labels=torch.tensor([0, 1, 1, 0]), shortened=torch.tensor(0),
+                     dropped=torch.tensor(0))
+        out.append(batch)
+    return out
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+# What Lightning 2.6 does (measured here):
+# - 32-true: everything float32.
+# - bf16-mixed: autocast to bfloat16 around the forward; parameters, gradients and AdamW states stay
+#   in the dtype the model was BUILT in. Built float32 (model.dtype=float32) that is real mixed
+#   precision; built bfloat16, nothing is float32 (hence train() refuses bf16-mixed unless
+#   model.dtype=float32).
+# - bf16-true: no autocast; Lightning converts the module to bfloat16 whatever its build dtype, so
+#   parameters, gradients and AdamW's exp_avg/exp_avg_sq are bfloat16.
+@pytest.mark.parametrize("precision,build,param,output,autocast", [
+    ("32-true", F32, F32, F32, False),
+    ("bf16-mixed", F32, F32, BF16, BF16),
+    ("bf16-true", F32, BF16, BF16, False),
+    ("bf16-true", BF16, BF16, BF16, False),
+    ("bf16-mixed", BF16, BF16, BF16, BF16),
+])
+def test_precision_dtypes_of_parameters_gradients_and_optimizer(precision, build, param, output,
+                                                                 autocast):
+    tok = tiny_tokenizer()
+    arch = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, intermediate_size=64, vocab_size=len(tok))
+    module = CRMModule(partial(build_crm, "pairwise", num_labels=2, pad_token_id=tok.pad_token_id,
+                               arch=arch, attention="sdpa", dtype=build),
+                       OptimConfig(warmup_steps=0))
+    probe = DtypeProbe()
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[probe])
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(synthetic_batches(tok),
+                                                                      batch_size=None))
+    assert trainer.global_step == 2
+    assert probe.seen == {"param": {param}, "output": output, "autocast": autocast,
+                          "grad": {param}, "exp_avg": {param}, "exp_avg_sq": {param}}
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16-mixed", F32), ("bf16-true", BF16)])
+def test_train_bf16_modes_checkpoint_the_dtypes_they_promise(precision, dtype, demo_root,
+                                                              tmp_path):
+    run_dir = tmp_path / "run"
+    metrics = run_train(demo_root, run_dir, f"trainer.precision={precision}", "val_every_n_steps=2")
+    assert math.isfinite(metrics["train"]["best_val_loss"])
+    ckpt = last_ckpt(run_dir)
+    assert {t.dtype for t in ckpt["state_dict"].values() if t.is_floating_point()} == {dtype}
+    state = ckpt["optimizer_states"][0]["state"].values()
+    assert {s["exp_avg"].dtype for s in state} == {s["exp_avg_sq"].dtype for s in state} == {dtype}
+
+
+def test_bf16_mixed_refuses_a_bf16_built_model(demo_root, tmp_path):
+    with pytest.raises(ValueError, match="keeps float32 master weights"):
+        run_train(demo_root, tmp_path / "run", "trainer.precision=bf16-mixed",
+                  "model.dtype=bfloat16")
+
+
+# -- 6. global batch and accumulation -------------------------------------------------------------
+
+def test_global_batch_is_accumulated_micro_batches(demo_root, tmp_path):
+    run_dir = tmp_path / "run"
+    metrics = run_train(demo_root, run_dir, "global_batch_size=8", "micro_batch_size=4",
+                        "trainer.max_steps=3", "save_every_n_steps=3")
+    assert metrics["train"]["accumulation"] == 2
+    assert metrics["train"]["global_step"] == 3  # optimizer steps, not micro batches
+    ckpt = last_ckpt(run_dir)
+    assert optimizer_steps(ckpt) == {3}
+    assert stream_state(ckpt)["batches_done"] == 6  # 3 steps x 2 micro batches of 4
+
+
+def test_global_batch_not_divisible_by_micro_batch_is_refused(demo_root, tmp_path):
+    with pytest.raises(ValueError, match="global_batch_size=10 is not a multiple of "
+                                         "micro_batch_size=4 x 1 ranks"):
+        run_train(demo_root, tmp_path / "run", "global_batch_size=10", "micro_batch_size=4")
+
+
+# -- 7. early stopping and validation -------------------------------------------------------------
+
+def test_early_stopping_stops_when_val_loss_rises(demo_root, tmp_path, monkeypatch):
+    # A stubbed validation whose loss rises with every step: 1.0 at step 1, then 2.0 at step 2,
+    # which with patience 1 stops the run (a real diverging run would be slow and flaky).
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", float(self.global_step), on_epoch=True, batch_size=1)
+
+    monkeypatch.setattr(CRMModule, "validation_step", validation_step)
+    metrics = run_train(demo_root, tmp_path / "run", "early_stopping_patience=1",
+                        "val_every_n_steps=1", "trainer.max_steps=20")
+    assert metrics["train"]["global_step"] == 2
+    assert metrics["train"]["best_val_loss"] == 1.0
+
+
+def test_every_validation_reads_the_whole_val_split(demo_root, tmp_path, monkeypatch):
+    # The sanity check stops the val loader after two batches; later validations must still start
+    # from the first batch (a stateful loader would resume mid-split, or yield nothing).
+    passes: dict[int, list] = {}
+    original = CRMModule.validation_step
+
+    def validation_step(self, batch, batch_idx):
+        step = -1 if self.trainer.sanity_checking else self.global_step
+        passes.setdefault(step, []).append(tuple(batch["position"].tolist()))
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(CRMModule, "validation_step", validation_step)
+    run_train(demo_root, tmp_path / "run", "val_every_n_steps=1", "trainer.num_sanity_val_steps=2")
+    assert set(passes) == {-1, 1, 2}
+    full = passes[1]
+    assert len(full) > 2  # more val batches than the sanity check reads
+    assert passes[-1] == full[:2]
+    assert passes[2] == full == [(0, j) for j in range(len(full))]
+
+
+def test_a_model_without_path_or_vocabulary_is_a_clear_error(demo_root, tmp_path):
+    with pytest.raises(ValueError, match="model=qwen3-0.6b: no model.path"):
+        run_train(demo_root, tmp_path / "run", "model=qwen3-0.6b", "model.dtype=float32",
+                  tiny=False)
