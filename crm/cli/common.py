@@ -8,10 +8,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from omegaconf import DictConfig
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from omegaconf import DictConfig, OmegaConf
 
 from crm.data.manifest import Manifest
 from crm.data.reader import iter_shard
+from crm.parallel import fsdp_strategy, is_complete_checkpoint
 from crm.prompts import PromptTemplate
 from crm.records import parse_train
 from crm.transforms import TransformConfig
@@ -105,18 +107,38 @@ def world_size(trainer: DictConfig) -> int:
 
 
 def resolve_resume(resume, run_dir: Path) -> str | None:
-    """auto: this run dir's last.ckpt if it exists; a path: that checkpoint; false: none."""
+    """auto: this run dir's last checkpoint if a complete one exists; a path: that; false: none.
+
+    A sharded checkpoint is swapped into place only when complete (crm.parallel.FSDPStrategy); a
+    job killed between the swap's two renames leaves the complete `.partial` or `.old` copy.
+    """
     if resume in (None, False, "false", "False"):
         return None
     if resume == "auto":
         last = run_dir / "checkpoints" / "last.ckpt"
-        if last.exists():
-            log.info("resuming from %s", last)
-            return str(last)
+        for candidate in (last, last.with_name("last.ckpt.partial"), last.with_name("last.ckpt.old")):
+            if is_complete_checkpoint(candidate):
+                log.info("resuming from %s", candidate)
+                return str(candidate)
+            if candidate.exists():
+                log.warning("ignoring the incomplete checkpoint %s", candidate)
         return None
-    if not Path(resume).exists():
-        raise FileNotFoundError(f"resume={resume}: no such checkpoint")
+    if not is_complete_checkpoint(resume):
+        raise FileNotFoundError(f"resume={resume}: no such checkpoint, or an incomplete one")
     return str(resume)
+
+
+def trainer_kwargs(trainer: DictConfig) -> dict:
+    """Lightning Trainer arguments from the trainer group; `strategy: fsdp` is crm's FSDP2.
+
+    On SLURM, Lightning's own auto-requeue is switched off: crm.lit.preemption owns the signal.
+    """
+    kwargs = OmegaConf.to_container(trainer, resolve=True)
+    if kwargs.get("strategy") == "fsdp":
+        kwargs["strategy"] = fsdp_strategy(world_size(trainer))
+    if SLURMEnvironment.detect():
+        kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+    return kwargs
 
 
 def checkpoint_callbacks(run_dir: Path, cfg: DictConfig):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from functools import partial
@@ -14,12 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from crm.cli.common import (build_transform, checkpoint_callbacks, crm_kwargs,
                             load_or_train_tokenizer, make_logger, prepare_data, resolve_resume,
-                            world_size, write_json)
+                            trainer_kwargs, world_size, write_json)
 from crm.data.manifest import load_manifest
 from crm.data.stream import StreamConfig
-from crm.lit.callbacks import ExportBest
+from crm.lit.callbacks import ExportBest, ShardingReport
+from crm.lit.preemption import Preemption
 from crm.lit.datamodule import CRMDataModule
 from crm.lit.module import CRMModule, OptimConfig
+from crm.parallel import ParallelConfig
 from crm.models.factory import build_crm
 from crm.prompts import PromptTemplate
 
@@ -59,11 +62,17 @@ def train(cfg: DictConfig) -> dict:
                           window_batches=cfg.stream.window_batches, template=template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform,
                                num_workers=cfg.stream.num_workers)
-    module = CRMModule(make_crm, OptimConfig(**cfg.optim))
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    module = CRMModule(make_crm, OptimConfig(**cfg.optim), ParallelConfig(**cfg.parallel),
+                       run_config=run_config)
 
     best, last = checkpoint_callbacks(run_dir, cfg)
     logger = make_logger(cfg.logger, run_dir, cfg.name)
-    callbacks = [best, last]
+    preemption = Preemption(str(run_dir / "checkpoints" / "last.ckpt"),
+                            signum=getattr(signal, cfg.preemption.signal),
+                            requeue_command=cfg.preemption.requeue_command)
+    sharding = ShardingReport()
+    callbacks = [best, last, preemption, sharding]
     if logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="step"))
     if cfg.early_stopping_patience:
@@ -73,8 +82,8 @@ def train(cfg: DictConfig) -> dict:
     if cfg.export:
         callbacks.append(ExportBest(export_dir, tokenizer, kind=kind, template=template,
                                     max_tokens=cfg.stream.max_tokens,
-                                    extra={"config": OmegaConf.to_container(cfg, resolve=True)}))
-    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True),
+                                    extra={"config": run_config}, preemption=preemption))
+    trainer = L.Trainer(**trainer_kwargs(cfg.trainer),
                         accumulate_grad_batches=accum, callbacks=callbacks,
                         logger=logger,
                         val_check_interval=cfg.val_every_n_steps * accum,
@@ -84,20 +93,24 @@ def train(cfg: DictConfig) -> dict:
 
     metrics = {
         "run_dir": str(run_dir),
+        "preempted": preemption.preempted,
         "train": {"global_step": trainer.global_step,
                   "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
-                  "resumed_from": ckpt_path, "accumulation": accum,
+                  "resumed_from": ckpt_path, "accumulation": accum, "world_size": trainer.world_size,
+                  "per_rank_memory": sharding.per_rank,
                   "wall_seconds": round(time.time() - started, 1)},
     }
-    if cfg.export and cfg.evaluate and cfg.data.test_files and trainer.is_global_zero:
+    finished = cfg.export and not preemption.preempted
+    if finished and cfg.evaluate and cfg.data.test_files and trainer.is_global_zero:
         from crm.cli.eval import evaluate_files
         from crm.scoring import CRMScorer
 
         scorer = CRMScorer.from_export(export_dir, batch_size=64)
         metrics["eval"], _ = evaluate_files(scorer, cfg.data.test_files)
     metrics["wall_seconds"] = round(time.time() - started, 1)
-    if trainer.is_global_zero:
-        write_json(run_dir / "metrics.json", metrics)
+    if not trainer.is_global_zero:
+        return None
+    write_json(run_dir / "metrics.json", metrics)
     return metrics
 
 
@@ -108,6 +121,8 @@ def _float(x) -> float | None:
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     metrics = train(cfg)
+    if metrics is None:  # not global rank 0
+        return
     if "eval" in metrics:
         for path, m in metrics["eval"].items():
             print(f"{Path(path).stem:>20}: accuracy {m['accuracy_mean']:.4f} "

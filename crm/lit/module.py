@@ -8,6 +8,8 @@ import lightning as L
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+from crm.parallel import ParallelConfig, apply_fsdp, enable_activation_checkpointing
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -22,18 +24,32 @@ class OptimConfig:
 class CRMModule(L.LightningModule):
     """Trains a PairwiseCRM (L_cls) or a PointwiseCRM (L_ranking).
 
-    The CRM is built in `configure_model` from `build_crm`, so a sharding strategy can build it
-    on the meta device and shard it before its weights exist.
+    The CRM is built in `configure_model` from `build_crm`, after the strategy has set up the
+    process group: under FSDP (ModelParallelStrategy) it is sharded there, before the optimizer
+    exists. `run_config` (plain data) is stored in every checkpoint, so a checkpoint says what
+    it holds.
     """
 
-    def __init__(self, build_crm: Callable[[], torch.nn.Module], optim: OptimConfig):
+    def __init__(self, build_crm: Callable[[], torch.nn.Module], optim: OptimConfig,
+                 parallel: ParallelConfig | None = None, run_config: dict | None = None):
         super().__init__()
         self.build_crm, self.optim = build_crm, optim
+        self.parallel = parallel or ParallelConfig()
+        self.run_config = run_config or {}
         self.crm: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
-        if self.crm is None:
-            self.crm = self.build_crm()
+        if self.crm is not None:
+            return
+        crm = self.build_crm()
+        if self.parallel.activation_checkpointing:
+            enable_activation_checkpointing(crm)
+        if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel ranks
+            apply_fsdp(crm, self.device_mesh["data_parallel"], self.parallel)
+        self.crm = crm
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["crm_config"] = self.run_config
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         out = self.crm.loss(batch)
@@ -42,13 +58,16 @@ class CRMModule(L.LightningModule):
             train = stage == "train"
             for name, value in out.items():
                 if name != "n":
-                    self.log(f"{stage}/{name}", value, batch_size=n, sync_dist=not train,
+                    # train/loss is the global batch's (averaged over ranks), comparable across
+                    # world sizes; one scalar all-reduce per step is cheap next to the step.
+                    self.log(f"{stage}/{name}", value, batch_size=n,
+                             sync_dist=not train or name == "loss",
                              prog_bar=name in ("loss", "acc"), on_step=train, on_epoch=not train)
         if stage == "train":
-            # What the length policy did, summed over the run (a healthy run keeps both near 0).
+            # What the length policy did, summed over the run and ranks (healthy runs keep both ~0).
             self.log_dict({"data/shortened": batch["shortened"].float(),
                            "data/dropped": batch["dropped"].float()},
-                          reduce_fx="sum", on_step=False, on_epoch=True)
+                          reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
         return out["loss"]
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

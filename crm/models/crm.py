@@ -12,7 +12,9 @@ from torch import nn
 
 
 def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    # use_cache=False: a training or scoring forward has no use for a KV cache; building one costs.
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                         use_cache=False).last_hidden_state
     last = attention_mask.sum(dim=1) - 1
     pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return model.score(pooled)

@@ -1,0 +1,108 @@
+"""The one place that shards a model: FSDP2 `fully_shard` per Qwen3 decoder layer and at the root,
+activation checkpointing per decoder layer, and checkpoints that are never half written.
+
+The same code runs on CPU with gloo (tests) and on GPUs with NCCL: Lightning's
+`ModelParallelStrategy` owns the process group and the device mesh; `apply_fsdp` is called from the
+LightningModule's `configure_model` with the mesh's data-parallel dimension.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHARDED_META = "meta.pt"  # Lightning writes it last into a sharded checkpoint dir
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (any strategy)
+    param_dtype: str = "bfloat16"  # FSDP: dtype of the all-gathered parameters for compute
+    reduce_dtype: str = "float32"  # FSDP: dtype of the gradient reduce-scatter
+    reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3)
+
+
+def decoder_layers(crm: nn.Module) -> nn.ModuleList:
+    return crm.model.model.layers
+
+
+def enable_activation_checkpointing(crm: nn.Module) -> None:
+    # The decoder layer is the checkpoint unit (as it is the FSDP unit): transformers' own
+    # non-reentrant checkpointing keeps parameter names unchanged for checkpoints and export.
+    crm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(crm: nn.Module, mesh, cfg: ParallelConfig) -> nn.Module:
+    """Shards each decoder layer, then the CRM itself (embeddings, final norm, head) as the root.
+
+    The root is the CRM module, not the HF model: the CRM's forward is what runs, so the root's
+    pre-forward all-gather must hang on it. Parameters stay fp32 shards (the optimizer's master
+    weights); compute gathers them in `param_dtype` and gradients reduce in `reduce_dtype`.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
+                                  reduce_dtype=DTYPES[cfg.reduce_dtype])
+    for layer in decoder_layers(crm):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(crm, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    log.info("FSDP2: %d decoder layers + root sharded over %d ranks (compute %s, reduce %s)",
+             len(decoder_layers(crm)), mesh.size(), cfg.param_dtype, cfg.reduce_dtype)
+    return crm
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """A single-file checkpoint (Lightning writes those atomically) or a finished sharded dir."""
+    path = Path(path)
+    return path.is_file() or (path.is_dir() and (path / SHARDED_META).is_file()
+                              and (path / ".metadata").is_file())
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """ModelParallelStrategy for data-parallel FSDP2 whose sharded checkpoints replace the previous
+    one only once complete.
+
+    Lightning writes a sharded checkpoint into its final path, deleting the old one first; a job
+    killed mid-save would lose both. Here the shards go to `<path>.partial` and are swapped in after
+    every rank has finished.
+    """
+
+    def __init__(self, data_parallel_size: int, **kwargs):
+        # Explicit sizes: "auto" picks tensor parallelism over the ranks (nothing sharded).
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        final = Path(self.broadcast(str(filepath)))
+        partial = final.with_name(final.name + ".partial")
+        if self.global_rank == 0 and partial.exists():
+            shutil.rmtree(partial)  # left by a job killed mid-save
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            swap_into_place(partial, final)
+        self.barrier()
+
+
+def swap_into_place(new: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        final.rename(old)
+    new.rename(final)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def fsdp_strategy(world: int, **kwargs) -> FSDPStrategy:
+    return FSDPStrategy(data_parallel_size=world, **kwargs)
