@@ -36,7 +36,7 @@ def decoder_layers(crm: nn.Module) -> nn.ModuleList:
 def enable_activation_checkpointing(crm: nn.Module) -> None:
     # The decoder layer is the checkpoint unit (as it is the FSDP unit): transformers' own
     # non-reentrant checkpointing keeps parameter names unchanged for checkpoints and export.
-    crm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    crm.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_fsdp(crm: nn.Module, mesh, cfg: ParallelConfig) -> nn.Module:

@@ -549,7 +549,8 @@ BENCH_MODELS: dict[str, dict[str, float]] = {
 }
 BENCH_BASELINE_PROFILE: dict[str, float] = {a.name: 0.5 for a in ATTRIBUTES}
 
-TEST_FILES = ("in_distribution", "heldout_topics", "heldout_wordings", "contradictory")
+TEST_FILES = ("in_distribution", "heldout_topics", "heldout_wordings", "contradictory",
+              "noisy_contradictory")
 
 Style = tuple[int, ...]  # the pole index of every attribute, in ATTRIBUTES order
 
@@ -696,18 +697,36 @@ def _voted_test_records(seed: int, name: str, n: int, topics: tuple[str, ...],
     return records
 
 
-def _contradictory_records(seed: int, n: int) -> list[dict]:
+def _contradictory_records(seed: int, n: int, noisy: bool = False) -> list[dict]:
     # Every pair twice, same texts in the same slots, once under each side's criteria: anything
     # that ignores the criteria gives the same verdict twice, so it scores exactly 50%.
-    rng = _stream(seed, "contradictory")
+    name = "noisy_contradictory" if noisy else "contradictory"
+    rng = _stream(seed, name)
     records = []
     for i in range(n // 2):
         pair = _draw_pair(TRAIN_TOPICS, rng)
         for side, suffix in (("model_a", "a"), ("model_b", "b")):
             criteria, _ = _criteria(pair, side, TRAIN_WORDINGS, rng)
-            records.append(_test_record(f"contradictory-{i:04d}{suffix}", pair, criteria, side))
+            if noisy:
+                criteria = _noisy(pair, side, criteria, rng)
+            records.append(_test_record(f"{name}-{i:04d}{suffix}", pair, criteria, side))
     rng.shuffle(records)  # so that the two halves of a pair do not sit side by side
     return records
+
+
+def _noisy(pair: _Pair, side: str, criteria: list[str], rng: random.Random) -> list[str]:
+    """Criteria as a careless user writes them: one or two that do not tell the pair apart (an
+    attribute both responses share), and with three or more, one that favours the other side;
+    the preferred side keeps a strict majority of the criteria that matter."""
+    same = [a for a in range(len(ATTRIBUTES)) if a not in pair.differing]
+    distractors = rng.sample(same, min(len(same), 1 + (len(criteria) >= 3)))
+    noisy = list(criteria)
+    if len(criteria) >= 3:
+        other, _ = _criteria(pair, "model_b" if side == "model_a" else "model_a", TRAIN_WORDINGS, rng)
+        noisy[rng.randrange(len(noisy))] = rng.choice(other)
+    noisy += [rng.choice(TRAIN_WORDINGS[ATTRIBUTES[a].poles[rng.randrange(2)]]) for a in distractors]
+    rng.shuffle(noisy)
+    return noisy
 
 
 def _quota_styles(n: int, profile: dict[str, float], rng: random.Random) -> list[Style]:
@@ -765,6 +784,7 @@ def write_demo(out_dir: str | Path, seed: int = 0, n_train: int = 6000, n_test: 
         "test/heldout_wordings.jsonl": _voted_test_records(
             seed, "heldout_wordings", n_test, TRAIN_TOPICS, HELDOUT_WORDINGS),
         "test/contradictory.jsonl": _contradictory_records(seed, n_test),
+        "test/noisy_contradictory.jsonl": _contradictory_records(seed, n_test, noisy=True),
         "bench.jsonl": _bench_records(seed, n_bench),
     }
     return {name: _write_jsonl(out_dir / name, records) for name, records in files.items()}

@@ -16,7 +16,8 @@ from data_tools import demo
 
 FILES = {"train.jsonl": "train", "test/in_distribution.jsonl": "test",
          "test/heldout_topics.jsonl": "test", "test/heldout_wordings.jsonl": "test",
-         "test/contradictory.jsonl": "test", "bench.jsonl": "bench"}
+         "test/contradictory.jsonl": "test", "test/noisy_contradictory.jsonl": "test",
+         "bench.jsonl": "bench"}
 VOTED_TEST_FILES = ("test/in_distribution.jsonl", "test/heldout_topics.jsonl",
                     "test/heldout_wordings.jsonl")
 SIZES = {"n_train": 1000, "n_test": 200, "n_bench": 60}
@@ -28,7 +29,8 @@ def out(tmp_path_factory) -> Path:
     counts = demo.write_demo(path, seed=0, **SIZES)
     assert counts == {"train.jsonl": 1000, "test/in_distribution.jsonl": 200,
                       "test/heldout_topics.jsonl": 200, "test/heldout_wordings.jsonl": 200,
-                      "test/contradictory.jsonl": 200, "bench.jsonl": 60}
+                      "test/contradictory.jsonl": 200, "test/noisy_contradictory.jsonl": 200,
+                      "bench.jsonl": 60}
     return path
 
 
@@ -123,15 +125,26 @@ def test_ids_are_unique(out):
         assert len(ids) == len(set(ids)), rel
 
 
-def test_contradictory_pairs_appear_twice_with_opposite_labels(out):
+@pytest.mark.parametrize("rel", ["test/contradictory.jsonl", "test/noisy_contradictory.jsonl"])
+def test_contradictory_pairs_appear_twice_with_opposite_labels(out, rel):
     groups: dict[tuple, list] = {}
-    for r in _records(out, "test/contradictory.jsonl"):
+    for r in _records(out, rel):
         groups.setdefault((r.prompt, r.model_a, r.model_b), []).append(r)
     assert len(groups) == SIZES["n_test"] // 2
     for twins in groups.values():
         assert len(twins) == 2
         assert {t.preference for t in twins} == {"model_a", "model_b"}
-        assert set(twins[0].criteria).isdisjoint(twins[1].criteria)
+        if rel == "test/contradictory.jsonl":
+            assert set(twins[0].criteria).isdisjoint(twins[1].criteria)
+
+
+def test_noisy_criteria_add_distractors_to_the_clean_ones(out):
+    clean = {(r.prompt, r.preference): len(r.criteria) for r in _records(out, "test/contradictory.jsonl")}
+    noisy = _records(out, "test/noisy_contradictory.jsonl")
+    # Another draw of pairs, so compare the distributions: every noisy list is longer than a clean
+    # list of the same pair would be (at least one distractor).
+    assert sum(len(r.criteria) for r in noisy) / len(noisy) > sum(clean.values()) / len(clean) + 1
+    assert all(len(r.criteria) >= 2 for r in noisy)
 
 
 def test_heldout_topics_and_wordings_stay_out_of_training(out):
@@ -237,7 +250,8 @@ def test_crowd_taste_is_a_shortcut_only_in_distribution(out):
 def test_labels_follow_the_criteria(out):
     judge = lambda r: _rule_judge(r.criteria, r.model_a, r.model_b)  # noqa: E731
     for rel in ("test/in_distribution.jsonl", "test/heldout_topics.jsonl",
-                "test/heldout_wordings.jsonl", "test/contradictory.jsonl"):
+                "test/heldout_wordings.jsonl", "test/contradictory.jsonl",
+                "test/noisy_contradictory.jsonl"):
         assert _accuracy(_records(out, rel), judge) >= 0.95, rel
     train = _records(out, "train.jsonl")
     agree = sum(_rule_judge(r.a_criteria, r.model_a, r.model_b) == "model_a"

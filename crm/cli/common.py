@@ -153,15 +153,35 @@ def checkpoint_callbacks(run_dir: Path, cfg: DictConfig):
     return best, last
 
 
-def make_logger(logger: DictConfig, run_dir: Path, name: str):
+def sweep_info(cfg: DictConfig) -> dict | None:
+    """In a multirun: the sweep's group (the logger's group, else the run name) and this job's
+    axis values (its overrides), so that wandb groups and tags a sweep's runs."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    axes = dict(o.lstrip("+~").split("=", 1) for o in hydra_cfg.overrides.task if "=" in o)
+    return {"group": cfg.logger.get("group") or cfg.name, "axes": axes, "job": hydra_cfg.job.num}
+
+
+def make_logger(logger: DictConfig, run_dir: Path, name: str, sweep: dict | None = None):
     if logger.name == "none":
         return False
     if logger.name == "csv":
         return L.pytorch.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version="")
     if logger.name == "wandb":
+        from crm.lit.preemption import slurm_job_id
+
         os.environ.setdefault("WANDB_MODE", "offline")  # no key, no network unless asked
-        run_id = os.environ.get("SLURM_JOB_ID")  # a requeued job continues its own wandb run
+        run_id = slurm_job_id()  # a requeued job continues its own wandb run
+        group, tags = logger.group, list(logger.tags)
+        if sweep:
+            group = group or sweep["group"]
+            tags += [f"{k}={v}" for k, v in sweep["axes"].items()]
+            name = f"{name}-{sweep['job']}"
         return L.pytorch.loggers.WandbLogger(
-            project=logger.project, entity=logger.entity, group=logger.group, tags=list(logger.tags),
-            name=name, save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
+            project=logger.project, entity=logger.entity, group=group, tags=tags, name=name,
+            save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
     raise ValueError(f"logger {logger.name!r}: expected csv, wandb or none")

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from crm.cli.common import (build_transform, checkpoint_callbacks, crm_kwargs,
                             load_or_train_tokenizer, make_logger, prepare_data, resolve_resume,
-                            trainer_kwargs, world_size, write_json)
+                            sweep_info, trainer_kwargs, world_size, write_json)
 from crm.data.manifest import load_manifest
 from crm.data.stream import StreamConfig
 from crm.lit.callbacks import ExportBest, ShardingReport
@@ -67,7 +67,10 @@ def train(cfg: DictConfig) -> dict:
                        run_config=run_config)
 
     best, last = checkpoint_callbacks(run_dir, cfg)
-    logger = make_logger(cfg.logger, run_dir, cfg.name)
+    sweep = sweep_info(cfg)
+    logger = make_logger(cfg.logger, run_dir, cfg.name, sweep)
+    if logger:
+        logger.log_hyperparams({**run_config, "sweep": sweep or {}})
     preemption = Preemption(str(run_dir / "checkpoints" / "last.ckpt"),
                             signum=getattr(signal, cfg.preemption.signal),
                             requeue_command=cfg.preemption.requeue_command)

@@ -1,0 +1,128 @@
+"""One table across a Hydra multirun: the varied axes, each test set's accuracy, flip rate, steps,
+wall time. Reads each run's `.hydra/overrides.yaml` and `metrics.json`; nothing else.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    overrides: dict  # key -> value, as given on the command line / by the sweeper
+    metrics: dict
+
+
+def read_runs(sweep_dir: str | Path) -> tuple[list[Run], list[str]]:
+    """Runs under `sweep_dir` (those with metrics.json), and the reasons others were skipped."""
+    runs, skipped = [], []
+    for overrides_file in sorted(Path(sweep_dir).glob("**/.hydra/overrides.yaml")):
+        run_dir = overrides_file.parent.parent
+        metrics_file = run_dir / "metrics.json"
+        if not metrics_file.is_file():
+            skipped.append(f"{run_dir}: no metrics.json (failed or still running)")
+            continue
+        items = yaml.safe_load(overrides_file.read_text()) or []
+        overrides = dict(item.lstrip("+~").split("=", 1) for item in items if "=" in item)
+        runs.append(Run(run_dir, overrides, json.loads(metrics_file.read_text())))
+    runs.sort(key=lambda r: _job_number(r.path))
+    return runs, skipped
+
+
+def _job_number(path: Path):
+    return (0, int(path.name)) if path.name.isdigit() else (1, path.name)
+
+
+def varied_axes(runs: list[Run]) -> list[str]:
+    """Override keys whose value differs between runs (or is missing from some), in first-seen order."""
+    keys: dict[str, None] = {}
+    for run in runs:
+        keys.update(dict.fromkeys(run.overrides))
+    return [k for k in keys if len({run.overrides.get(k) for run in runs}) > 1]
+
+
+def test_sets(runs: list[Run]) -> list[str]:
+    names: dict[str, None] = {}
+    for run in runs:
+        names.update(dict.fromkeys(Path(p).stem for p in run.metrics.get("eval", {})))
+    return list(names)
+
+
+def table(runs: list[Run]) -> tuple[list[str], list[list]]:
+    """(header, rows): axes, accuracy (mean of both orders) per test set, mean flip rate, steps,
+    wall seconds. A value a run lacks is empty."""
+    axes, sets = varied_axes(runs), test_sets(runs)
+    header = axes + [f"acc/{s}" for s in sets] + ["flip_rate", "steps", "wall_s"]
+    rows = []
+    for run in runs:
+        by_set = {Path(p).stem: m for p, m in run.metrics.get("eval", {}).items()}
+        flips = [m["flip_rate"] for m in by_set.values() if m.get("flip_rate") is not None]
+        train = run.metrics.get("train", {})
+        rows.append([run.overrides.get(a, "") for a in axes]
+                    + [by_set.get(s, {}).get("accuracy_mean", "") for s in sets]
+                    + [round(sum(flips) / len(flips), 4) if flips else "",
+                       train.get("global_step", ""), run.metrics.get("wall_seconds", "")])
+    return header, rows
+
+
+def markdown(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(header: list[str], rows: list[list]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def plot(header: list[str], rows: list[list], path: Path, n_axes: int) -> None:
+    """Grouped bars: one group per setting, one bar per test set's accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = [h for h in header if h.startswith("acc/")]
+    labels = [", ".join(str(v) for v in row[:n_axes]) or f"run {i}" for i, row in enumerate(rows)]
+    width = 0.8 / max(1, len(sets))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * max(1, len(sets)) * 0.5), 4.2))
+    for j, name in enumerate(sets):
+        col = header.index(name)
+        values = [row[col] if isinstance(row[col], (int, float)) else 0.0 for row in rows]
+        xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(rows))]
+        bars = ax.bar(xs, values, width, label=name[4:])
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(rows)), labels, rotation=15 if len(rows) > 4 else 0)
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("accuracy (mean of both orders)")
+    ax.legend(fontsize=8, ncols=min(4, len(sets)), loc="lower right")
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> dict:
+    """report.md, report.csv and report.png in `out_dir` (default: the sweep dir)."""
+    runs, skipped = read_runs(sweep_dir)
+    if not runs:
+        raise FileNotFoundError(f"{sweep_dir}: no run with .hydra/overrides.yaml and metrics.json")
+    out = Path(out_dir or sweep_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    header, rows = table(runs)
+    (out / "report.md").write_text(markdown(header, rows), encoding="utf-8")
+    (out / "report.csv").write_text(csv_text(header, rows), encoding="utf-8")
+    plot(header, rows, out / "report.png", n_axes=len(varied_axes(runs)))
+    return {"header": header, "rows": rows, "runs": len(runs), "skipped": skipped, "out_dir": str(out)}
