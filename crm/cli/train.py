@@ -20,6 +20,7 @@ from crm.data.manifest import load_manifest
 from crm.data.stream import StreamConfig
 from crm.lit.callbacks import ExportBest, ShardingReport
 from crm.lit.preemption import Preemption
+from crm.lit.throughput import Throughput
 from crm.lit.datamodule import CRMDataModule
 from crm.lit.module import CRMModule, OptimConfig
 from crm.parallel import ParallelConfig
@@ -76,6 +77,11 @@ def train(cfg: DictConfig) -> dict:
                             requeue_command=cfg.preemption.requeue_command)
     sharding = ShardingReport()
     callbacks = [best, last, preemption, sharding]
+    throughput = None
+    if cfg.perf.log_every_n_steps:
+        peak = None if cfg.perf.peak_tflops is None else cfg.perf.peak_tflops * 1e12
+        throughput = Throughput(cfg.perf.log_every_n_steps, gpu=cfg.perf.gpu, peak_flops=peak)
+        callbacks.append(throughput)
     if logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="step"))
     if cfg.early_stopping_patience:
@@ -101,6 +107,7 @@ def train(cfg: DictConfig) -> dict:
                   "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
                   "resumed_from": ckpt_path, "accumulation": accum, "world_size": trainer.world_size,
                   "per_rank_memory": sharding.per_rank,
+                  "throughput": throughput.last if throughput else None,
                   "wall_seconds": round(time.time() - started, 1)},
     }
     finished = cfg.export and not preemption.preempted

@@ -1,0 +1,132 @@
+"""crm-plan: per-GPU memory and FLOPs plan of a model size on a cluster shape (plan.json).
+
+    crm-plan model=qwen3-8b [trainer.num_nodes=2 trainer.devices=8 seq_len=8192 ...]
+
+The model is built on the meta device (shapes, no weights): nothing needs a GPU. The formulas and
+their assumptions are in crm/flops.py and crm/memory.py.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from crm.cli.common import write_json
+from crm.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
+from crm.memory import ROWS_PER_RECORD, memory_plan
+
+
+def model_shape(model: DictConfig, kind: str) -> ModelShape:
+    """The shape of the model group's classifier: from model.path's config.json, else model.arch."""
+    from crm.models.backbone import build_classifier
+
+    num_labels = 1 if kind == "pointwise" else 2
+    if model.path:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model.path, num_labels=num_labels, local_files_only=True)
+        return ModelShape.from_config(config)
+    arch = model.arch
+    if isinstance(arch, DictConfig):  # the tiny model: its vocabulary is the trained tokenizer's
+        arch = {**OmegaConf.to_container(arch), "vocab_size": model.vocab_size}
+    return ModelShape.from_model(build_classifier(num_labels=num_labels, pad_token_id=0, arch=arch,
+                                                  attention="sdpa", device="meta"))
+
+
+def plan(cfg: DictConfig) -> dict:
+    if cfg.kind not in ROWS_PER_RECORD:
+        raise ValueError(f"kind={cfg.kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
+    shape = model_shape(cfg.model, cfg.kind)
+    world = int(cfg.trainer.num_nodes) * int(cfg.trainer.devices)
+    memory = memory_plan(shape, world=world, seq_len=cfg.seq_len,
+                         micro_batch_size=cfg.micro_batch_size, kind=cfg.kind,
+                         precision=cfg.precision,
+                         activation_checkpointing=cfg.activation_checkpointing,
+                         flash=cfg.model.attention != "eager", gpu_memory_gib=cfg.gpu_memory_gib,
+                         headroom_fraction=cfg.headroom_fraction, reserved_gib=cfg.reserved_gib)
+    train, forward = (flops_per_token(shape, cfg.seq_len, training=t) for t in (True, False))
+    peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
+    per_gpu = tokens_per_s_at(cfg.mfu, train, peak)
+    tokens_per_record = cfg.seq_len * ROWS_PER_RECORD[cfg.kind]
+    return {
+        "model": {"name": cfg.model.name, **vars(shape)},
+        "kind": cfg.kind,
+        "num_nodes": int(cfg.trainer.num_nodes),
+        "devices": int(cfg.trainer.devices),
+        "memory": memory,
+        "flops": {
+            "formula": "6 N + 12 L H d S (forward: a third); N non-embedding, S = seq_len",
+            "train_per_token": train,
+            "forward_per_token": forward,
+            "gpu": cfg.gpu,
+            "peak_flops_per_gpu": peak,
+            "mfu": cfg.mfu,
+            "tokens_per_s_per_gpu": per_gpu,
+            "tokens_per_s": None if per_gpu is None else per_gpu * world,
+            "records_per_s": None if per_gpu is None else per_gpu * world / tokens_per_record,
+        },
+    }
+
+
+def format_plan(p: dict) -> str:
+    m, mem, fl = p["model"], p["memory"], p["flops"]
+    b, world = mem["bytes_per_param"], mem["world"]
+    dtype = {2: "bf16", 4: "fp32"}
+    yes = {True: "yes", False: "NO"}
+    ckpt = mem["activation_checkpointing"]
+    pd, gd, od = dtype[b["param"]], dtype[b["grad"]], dtype[b["optimizer"] // 2]
+    rows = [
+        (f"parameters ({pd}, sharded / {world})", mem["params_gib"], ""),
+        (f"gradients ({gd}, sharded / {world})", mem["grads_gib"], ""),
+        (f"optimizer (AdamW 2 x {od}, sharded / {world})", mem["optimizer_gib"], ""),
+        ("unsharded in flight (root + 2 layers, 1 grad)", mem["unsharded_gib"], ""),
+        ("activations, checkpointing on", mem["activations_checkpointed_gib"], ""),
+        ("activations, checkpointing off", mem["activations_full_gib"], ""),
+        ("head (final norm, logits)", mem["head_gib"], ""),
+        ("total, checkpointing on", mem["total_checkpointed_gib"],
+         f"   fits: {yes[mem['fits_checkpointed']]}" + ("  <- configured" if ckpt else "")),
+        ("total, checkpointing off", mem["total_full_gib"],
+         f"   fits: {yes[mem['fits_full']]}" + ("" if ckpt else "  <- configured")),
+    ]
+    lines = [
+        f"crm-plan: {m['name']} {p['kind']}, {p['num_nodes']} node(s) x {p['devices']} GPUs, "
+        f"seq {mem['seq_len']}, micro batch {mem['micro_batch_size']} "
+        f"({mem['rows_per_micro_batch']} row(s)), {mem['precision']}, "
+        f"checkpointing {'on' if ckpt else 'off'}",
+        f"model: {m['total_params'] / 1e9:.3f} B parameters, {m['non_embedding_params'] / 1e9:.3f} B "
+        f"non-embedding; {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads x "
+        f"{m['head_dim']} ({m['kv_heads']} kv), intermediate {m['intermediate']}",
+        "",
+        f"{'per GPU':<46}{'GiB':>8}",
+        *(f"{label:<46}{gib:>8.2f}{note}" for label, gib, note in rows),
+        f"usable: {mem['usable_gib']:.1f} of {mem['gpu_memory_gib']:g} GiB "
+        f"({mem['headroom_fraction']:.0%} headroom, {mem['reserved_gib']:g} GiB reserved); "
+        f"states on all GPUs {mem['states_all_gpus_gib']:.1f} GiB",
+        "",
+        f"FLOPs per token (6N + 12 L H d S, S = {mem['seq_len']}): train "
+        f"{fl['train_per_token'] / 1e9:.2f} G, forward {fl['forward_per_token'] / 1e9:.2f} G",
+    ]
+    if fl["tokens_per_s_per_gpu"] is None:
+        lines.append(f"tokens/s: no peak known for gpu={fl['gpu']} (set peak_tflops=...)")
+    else:
+        lines.append(
+            f"at {fl['mfu']:.0%} MFU on {fl['gpu']} ({fl['peak_flops_per_gpu'] / 1e12:g} TFLOP/s): "
+            f"{fl['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {fl['tokens_per_s']:,.0f} tokens/s "
+            f"on {world} GPUs ({fl['records_per_s']:,.1f} full-length records/s)")
+    return "\n".join(lines)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="plan")
+def main(cfg: DictConfig) -> None:
+    result = plan(cfg)
+    path = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
+    write_json(path, result)
+    print(format_plan(result))
+    print(f"plan: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
