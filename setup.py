@@ -31,12 +31,18 @@ setup(
     extras_require={
         "gpu": ["flash-attn==2.8.3"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
-        "dev": ["pytest==9.2.0", "trl==1.16.0"],
+        # The tests compose the SLURM launcher config too, so dev includes the slurm extra.
+        "dev": ["pytest==9.2.0", "trl==1.16.0", "hydra-submitit-launcher==1.2.0"],
     },
     entry_points={
         "console_scripts": [
             "crm-data=data_tools.cli:main",
             "crm-train=crm.cli.train:main",
+            "crm-export=crm.cli.export:main",
+            "crm-report=crm.cli.report:main",
+            "crm-plan=crm.cli.plan:main",
+            "crm-eval=crm.cli.eval:main",
+            "crm-leaderboard=crm.cli.leaderboard:main",
         ],
     },
 )

@@ -1,14 +1,19 @@
 """Config -> objects for the command-line entry points (the only place that reads Hydra configs)."""
 from __future__ import annotations
 
+import csv
+import fcntl
 import json
 import logging
 import os
+from contextlib import contextmanager
+import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from crm.data.manifest import Manifest
@@ -29,10 +34,30 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on `path` (a lock file): under srun every rank starts at once, and the
+    first one prepares what the others then find ready."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def prepare_data(data: DictConfig) -> Path:
     """The shard dir; for the demo, generate the data and shard it first if they are absent."""
     shard_dir = Path(data.path)
-    if data.get("demo") and not (shard_dir / "manifest.json").is_file():
+    if data.get("demo"):
+        with file_lock(Path(data.demo.out_dir) / ".prepare.lock"):
+            _prepare_demo(data, shard_dir)
+    return shard_dir
+
+
+def _prepare_demo(data: DictConfig, shard_dir: Path) -> None:
+    if not (shard_dir / "manifest.json").is_file():
         from data_tools.demo import write_demo  # noqa: the demo's own generator
         from data_tools.shard import shard
 
@@ -41,7 +66,6 @@ def prepare_data(data: DictConfig) -> Path:
         write_demo(raw, seed=data.demo.seed, n_train=data.demo.n_train, n_test=data.demo.n_test,
                    n_bench=data.demo.n_bench)
         shard([str(raw / "train.jsonl")], shard_dir, shard_size=1000)
-    return shard_dir
 
 
 def training_texts(manifest: Manifest, template: PromptTemplate):
@@ -61,8 +85,13 @@ def load_or_train_tokenizer(model: DictConfig, manifest: Manifest, run_dir: Path
     if source:
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
     saved = run_dir / "tokenizer"
-    if (saved / "tokenizer.json").is_file():  # a resumed run must keep its vocabulary
-        return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    with file_lock(run_dir / ".tokenizer.lock"):
+        if not (saved / "tokenizer.json").is_file():  # a resumed run keeps its vocabulary
+            _train_tokenizer(model, manifest, saved)
+    return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+
+
+def _train_tokenizer(model: DictConfig, manifest: Manifest, saved: Path) -> None:
     if not model.vocab_size:
         raise ValueError(f"model={model.name}: no model.path or model.tokenizer to read a "
                          "tokenizer from, and no model.vocab_size to train one; set model.path to "
@@ -70,9 +99,10 @@ def load_or_train_tokenizer(model: DictConfig, manifest: Manifest, run_dir: Path
     from crm.models.tokenizer import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(training_texts(manifest, PromptTemplate()), model.vocab_size)
-    tokenizer.save_pretrained(saved)
+    partial = saved.with_name(saved.name + ".partial")
+    tokenizer.save_pretrained(partial)
+    partial.rename(saved)
     log.info("trained a %d-token BPE on the training data: %s", len(tokenizer), saved)
-    return tokenizer
 
 
 def build_transform(cfg: DictConfig) -> TransformConfig:
@@ -170,7 +200,7 @@ def make_logger(logger: DictConfig, run_dir: Path, name: str, sweep: dict | None
     if logger.name == "none":
         return False
     if logger.name == "csv":
-        return L.pytorch.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version="")
+        return ResumableCSVLogger(save_dir=str(run_dir), name="csv", version="")
     if logger.name == "wandb":
         from crm.lit.preemption import slurm_job_id
 
@@ -185,3 +215,26 @@ def make_logger(logger: DictConfig, run_dir: Path, name: str, sweep: dict | None
             project=logger.project, entity=logger.entity, group=group, tags=tags, name=name,
             save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
     raise ValueError(f"logger {logger.name!r}: expected csv, wandb or none")
+
+
+class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):
+    """Appends to the run's csv/metrics.csv. Lightning's CSVLogger deletes the file it finds, so a
+    resumed run (resume=auto, a requeued job) would lose the earlier steps' metrics.
+
+    Steps run again after a crash appear twice; the later row is the resumed run's.
+    """
+
+    @property
+    def experiment(self):
+        path = Path(self.log_dir) / "metrics.csv"
+        if self._experiment is not None or rank_zero_only.rank != 0 or not path.is_file():
+            return super().experiment
+        aside = path.with_name(path.name + ".resumed")
+        path.replace(aside)  # out of the writer's way while it starts
+        with warnings.catch_warnings():  # "Previous log files ... will be deleted": not here
+            warnings.filterwarnings("ignore", message="Experiment logs directory")
+            writer = super().experiment
+        with aside.open(newline="") as f:
+            writer.metrics_keys = next(csv.reader(f), [])  # rows are appended under this header
+        aside.replace(path)
+        return writer

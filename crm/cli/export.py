@@ -27,7 +27,7 @@ def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path) -> Path:
     if not checkpoint.get("crm_config"):
         raise ValueError(f"{checkpoint_path}: no crm_config in the checkpoint (not written by crm-train)")
     cfg = OmegaConf.create(checkpoint["crm_config"])
-    run_dir = Path(cfg.paths.output_dir)
+    run_dir = Path(cfg.get("run_dir") or cfg.paths.output_dir)
     source = cfg.model.tokenizer or cfg.model.path or run_dir / "tokenizer"
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     crm = build_crm(cfg.loss.kind, num_labels=build_transform(cfg).num_labels,

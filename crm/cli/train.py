@@ -63,7 +63,9 @@ def train(cfg: DictConfig) -> dict:
                           window_batches=cfg.stream.window_batches, template=template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform,
                                num_workers=cfg.stream.num_workers)
-    run_config = OmegaConf.to_container(cfg, resolve=True)
+    # The run dir as the job saw it (absolute, a multirun job's own): crm-export finds the run's
+    # tokenizer through it.
+    run_config = {**OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir.resolve())}
     module = CRMModule(make_crm, OptimConfig(**cfg.optim), ParallelConfig(**cfg.parallel),
                        run_config=run_config)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -196,6 +197,13 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def _ignore_preemption_signals(worker_id: int) -> None:
+    # SLURM signals every process of a task. The training process handles the warning (saves and
+    # stops); a worker started by spawn/forkserver would otherwise die of it first.
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 class StreamLoader:
     """A DataLoader over a PairStream that knows its epoch and position, for mid-epoch resume.
 
@@ -222,7 +230,7 @@ class StreamLoader:
         self.dataset.skip = self.batches_done
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
                             pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor,
-                            persistent_workers=False)
+                            persistent_workers=False, worker_init_fn=_ignore_preemption_signals)
         batches = iter(loader)
         try:
             for batch in batches:
