@@ -10,6 +10,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -48,6 +49,8 @@ def train(cfg: DictConfig) -> dict:
                          f"but model.dtype={cfg.model.dtype} builds the parameters in that dtype: "
                          "set model.dtype=float32, or trainer.precision=bf16-true")
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     shard_dir = prepare_data(cfg.data)
     manifest = load_manifest(shard_dir)
     tokenizer = load_or_train_tokenizer(cfg.model, manifest, run_dir)
