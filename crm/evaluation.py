@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from crm.records import TestRecord
+from crm.scoring import unswap
 from crm.transforms import LABEL_A, LABEL_B, LABEL_TIE, eval_example
 
 VERDICT_NAMES = {LABEL_A: "model_a", LABEL_B: "model_b", LABEL_TIE: "tie", None: "score_tie"}
@@ -20,29 +21,29 @@ def verdict(probs: Sequence[float]) -> int | None:
     return None if probs[ranked[0]] == probs[ranked[1]] else ranked[0]
 
 
-def unswap(probs: torch.Tensor) -> torch.Tensor:
-    """Probabilities computed on the B/A order, expressed for the A/B order."""
-    return probs[:, [1, 0, 2]]
-
-
 def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tensor,
                      topics: list[str | None]) -> dict:
     """`given` and `swapped` are (n, 3) P(A), P(B), P(tie) in the A/B order of the file.
 
-    Strict: a score tie is wrong. The flip rate is the share of records whose verdict changes
-    when A and B are swapped (a position-biased judge flips).
+    Strict: a score tie is wrong. `accuracy_mean` is the mean of the two orders' accuracies;
+    `accuracy_both_orders` judges the averaged probabilities (the scorer's `both_orders`). The
+    flip rate is the share of records whose verdict changes when A and B are swapped (a
+    position-biased judge flips); the tie rate the share of verdicts, in both orders, that are a
+    score tie or the tie class.
     """
     n = len(labels)
     v_given = [verdict(p.tolist()) for p in given]
     v_swapped = [verdict(p.tolist()) for p in swapped]
     ok_given = [v == y for v, y in zip(v_given, labels)]
     ok_swapped = [v == y for v, y in zip(v_swapped, labels)]
+    ok_both = [verdict(p.tolist()) == y for p, y in zip((given + swapped) / 2, labels)]
     rate = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
     metrics = {
         "n": n,
         "accuracy": rate(ok_given),
         "accuracy_swapped": rate(ok_swapped),
         "accuracy_mean": rate(ok_given + ok_swapped),
+        "accuracy_both_orders": rate(ok_both),
         "flip_rate": rate([a != b for a, b in zip(v_given, v_swapped)]),
         "tie_rate": rate([v in (None, LABEL_TIE) for v in v_given + v_swapped]),
         "gold_ties": sum(y == LABEL_TIE for y in labels),
@@ -51,9 +52,13 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
     by_topic = defaultdict(list)
     for topic, a, b in zip(topics, ok_given, ok_swapped):
         if topic is not None:
-            by_topic[topic] += [a, b]
+            by_topic[topic].append((a, b))
     if by_topic:
-        metrics["accuracy_mean_by_topic"] = {t: rate(v) for t, v in sorted(by_topic.items())}
+        metrics["by_topic"] = {
+            t: {"n": len(v), "accuracy": rate([a for a, _ in v]),
+                "accuracy_swapped": rate([b for _, b in v]),
+                "accuracy_mean": rate([x for pair in v for x in pair])}
+            for t, v in sorted(by_topic.items())}
     return metrics
 
 
@@ -61,8 +66,12 @@ def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[
     """(metrics, one prediction dict per record) for a CRMScorer on test records."""
     labels = [eval_example(r).label for r in records]
     given = scorer.pair_probabilities([eval_example(r) for r in records], unfit="nan")
-    swapped = unswap(scorer.pair_probabilities([eval_example(r, swapped=True) for r in records],
-                                               unfit="nan"))
+    if scorer.kind == "pointwise":
+        # sigmoid(r_a - r_b) of rewards that do not depend on the order: the swap is exact.
+        swapped = given.clone()
+    else:
+        swapped = unswap(scorer.pair_probabilities([eval_example(r, swapped=True) for r in records],
+                                                   unfit="nan"))
     metrics = accuracy_metrics(labels, given, swapped, [r.topic for r in records])
     predictions = [
         {"idx": r.idx, "topic": r.topic, "preference": r.preference,

@@ -1,0 +1,133 @@
+"""Leaderboard judging with and without prefix reuse (DESIGN section 8, shared/PERF.md).
+
+Prints one JSON document: pairs/s of `crm.leaderboard.judge` on the demo benchmark (60 queries x 8
+models against the baseline, baseline in slot A) with the plain path and with prefix reuse, the
+largest score difference between the two, and the token arithmetic: the prefix share p of the
+prompt tokens and the computed fraction (1 - p) + p / N that bounds the speed-up at
+1 / ((1 - p) + p / N) for N = 8 candidates per prefix.
+
+Throughput is pairs per second of this process's CPU time (one intra-op thread by default), best of
+`--repeats`: on a shared machine wall time measures the neighbours; wall-clock pairs/s are reported
+too. The model is the demo's tiny Qwen3 (configs/model/tiny.yaml), randomly initialised: the cost of a
+forward does not depend on the weights. The tokenizer is a BPE trained on the demo training data,
+as crm-train trains it for the tiny model. Two criteria settings: one criterion line (the demo's
+wordings) and six (a user who writes more, so a larger share of each prompt is shared).
+
+    python benchmarks/leaderboard_prefix.py [--batch-size 32] [--repeats 3] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+import crm_configs
+from crm.leaderboard import judge, select
+from crm.models.factory import build_crm
+from crm.models.tokenizer import train_bpe_tokenizer
+from crm.prompts import PromptTemplate
+from crm.records import read_lines
+from crm.scoring import CRMScorer
+from data_tools.demo import BENCH_BASELINE, TRAIN_WORDINGS, write_demo
+
+CRITERIA = {
+    "1 line": [TRAIN_WORDINGS["detailed"][1]],
+    "6 lines": [TRAIN_WORDINGS[pole][0] for pole in
+                ("detailed", "bullets", "formal", "examples", "plain", "cautious")],
+}
+
+
+def training_texts(path: str):
+    yield PromptTemplate().pairwise
+    for line in read_lines(path, "train"):
+        if line.record:
+            r = line.record
+            yield "\n".join(r.a_criteria + r.b_criteria + tuple(m.content for m in r.model_a + r.model_b))
+
+
+def timed(scorer: CRMScorer, selection, criteria, repeats: int) -> tuple[dict, list[float]]:
+    judge(scorer, selection, criteria)  # warm-up (allocator, kernels)
+    cpu, wall = [], []
+    for _ in range(repeats):
+        scorer.counts.clear()
+        start_cpu, start_wall = time.process_time(), time.perf_counter()
+        outcomes = judge(scorer, selection, criteria)
+        cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start_wall)
+    pairs = len(outcomes)
+    return ({"pairs": pairs, "pairs_per_s": round(pairs / min(cpu), 1),
+             "pairs_per_wall_s": round(pairs / min(wall), 1),
+             "cpu_seconds": [round(s, 3) for s in cpu], "wall_seconds": [round(s, 3) for s in wall],
+             "prompt_tokens": scorer.counts["prompt_tokens"],
+             "computed_tokens": scorer.counts["computed_tokens"],
+             "padded_tokens": scorer.counts["padded_tokens"],
+             "prefix_sequences": scorer.counts["prefix_sequences"],
+             "split_mismatch": scorer.counts["split_mismatch"]},
+            [o.p_win for o in outcomes])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
+    p.add_argument("--n-bench", type=int, default=60)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_demo(tmp, seed=0, n_train=2000, n_test=2, n_bench=args.n_bench)
+        tokenizer = train_bpe_tokenizer(training_texts(f"{tmp}/train.jsonl"), 2048)
+        selection = select(f"{tmp}/bench.jsonl", BENCH_BASELINE)
+    tiny = OmegaConf.load(Path(crm_configs.__file__).parent / "model" / "tiny.yaml")
+    torch.manual_seed(0)
+    crm = build_crm("pairwise", num_labels=2, pad_token_id=tokenizer.pad_token_id,
+                    arch={**OmegaConf.to_container(tiny.arch), "vocab_size": len(tokenizer)},
+                    attention="sdpa")
+    scorer = CRMScorer(crm.model, tokenizer, PromptTemplate(), "pairwise", max_tokens=1024,
+                       batch_size=args.batch_size, device=torch.device("cpu"))
+    n = len(selection.models)
+    settings = {}
+    for name, criteria in CRITERIA.items():
+        scorer.prefix_reuse = False
+        plain, p_plain = timed(scorer, selection, criteria, args.repeats)
+        scorer.prefix_reuse = True
+        reused, p_reused = timed(scorer, selection, criteria, args.repeats)
+        prompt = plain["prompt_tokens"]
+        # computed = sum of prefixes once + all suffixes = prompt - (N - 1) * sum of prefixes
+        prefix_tokens = (prompt - reused["computed_tokens"]) / (n - 1)
+        share = n * prefix_tokens / prompt
+        settings[name] = {
+            "criteria": criteria,
+            "plain": plain,
+            "prefix_reuse": reused,
+            "speedup": round(reused["pairs_per_s"] / plain["pairs_per_s"], 2),
+            "max_abs_diff_p_win": max(abs(a - b) for a, b in zip(p_plain, p_reused)),
+            "tokens": {
+                "mean_prompt_tokens": round(prompt / plain["pairs"], 1),
+                "mean_prefix_tokens": round(prefix_tokens / len(selection.records), 1),
+                "prefix_share_p": round(share, 4),
+                "expected_computed_fraction": round((1 - share) + share / n, 4),
+                "measured_computed_fraction": round(reused["computed_tokens"] / prompt, 4),
+                "token_bound_speedup": round(1 / ((1 - share) + share / n), 2),
+            },
+        }
+    print(json.dumps({
+        "benchmark": "leaderboard judging, plain vs prefix reuse",
+        "model": "tiny Qwen3 (configs/model/tiny.yaml arch), random init; BPE 2048 on demo data",
+        "device": "cpu", "dtype": "float32", "threads": args.threads,
+        "throughput": "pairs per CPU second of this process (best of repeats); wall also given",
+        "batch_size": args.batch_size, "repeats": args.repeats,
+        "bench": {"queries": len(selection.records), "models": n,
+                  "pairs": len(selection.records) * n},
+        "settings": settings,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""crm-leaderboard: rank the models of a benchmark for one user's criteria.
+
+    crm-leaderboard model=DIR bench=FILE baseline=NAME 'criteria=["line 1","line 2"]'
+                    [topics=[...]] ['contrast=[...]'] [default=true]
+
+Writes leaderboard.json, leaderboard.md and leaderboard.png into outputs/leaderboard/<name>.
+`default=true` ranks under `default_criteria` (the crowd's average preference) instead of
+`criteria`; with `contrast` it is compared with another criteria set (Kendall tau). `model=DIR` is
+short for `model.path=DIR` (see crm.cli.eval).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from crm.cli.common import write_json
+from crm.cli.eval import load_scorer, model_shorthand
+from crm.leaderboard import leaderboard, markdown, plot, select
+
+log = logging.getLogger("crm.leaderboard")
+
+
+def _lines(value) -> list[str]:
+    """A criteria list from the config; one string is one criterion."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def criteria_sets(cfg: DictConfig) -> tuple[list[str], list[str], tuple[str, str]]:
+    """(criteria, contrast, labels) as the config asks."""
+    criteria, contrast = _lines(cfg.criteria), _lines(cfg.contrast)
+    if cfg.default:
+        if criteria:
+            raise ValueError("default=true ranks under default_criteria: give criteria=[...] or "
+                             "default=true, not both (contrast=[...] compares with another set)")
+        criteria = _lines(cfg.default_criteria)
+    if not criteria:
+        raise ValueError("no criteria: criteria=[\"...\",...] (one line each), or default=true")
+    labels = (cfg.labels.criteria if not cfg.default else "default", cfg.labels.contrast)
+    return criteria, contrast, labels
+
+
+def run(cfg: DictConfig) -> dict:
+    started = time.time()
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    criteria, contrast, labels = criteria_sets(cfg)
+    topics = None if cfg.topics is None else _lines(cfg.topics)
+    models = None if cfg.models is None else _lines(cfg.models)
+    selection = select(cfg.bench, cfg.baseline, topics=topics, models=models)
+    if selection.rejects:
+        for r in selection.rejects[:10]:
+            log.warning("rejected %s:%s: %s: %s", r["file"], r["line"], r["field"], r["reason"])
+        if cfg.strict:
+            raise ValueError(f"{cfg.bench}: {len(selection.rejects)} benchmark lines rejected "
+                             f"(strict=true); first: {selection.rejects[0]}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    scorer = load_scorer(cfg)
+    result = leaderboard(scorer, selection, criteria, contrast or None,
+                         both_orders=cfg.both_orders, labels=labels)
+    result.update(model=str(cfg.model.path), kind=scorer.kind,
+                  sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
+                  wall_seconds=round(time.time() - started, 1))
+    write_json(run_dir / "leaderboard.json", result)
+    (run_dir / "leaderboard.md").write_text(markdown(result), encoding="utf-8")
+    plot(result, run_dir / "leaderboard.png")
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="leaderboard")
+def _main(cfg: DictConfig) -> None:
+    result = run(cfg)
+    print(markdown(result))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    print(f"leaderboard: {run_dir / 'leaderboard.md'} (.json, .png)")
+
+
+def main() -> None:
+    sys.argv = model_shorthand(sys.argv)  # model=DIR is short for model.path=DIR
+    _main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

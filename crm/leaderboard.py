@@ -1,0 +1,358 @@
+"""The User-centric Subjective Leaderboard (DESIGN section 8): models ranked for one user's criteria.
+
+For every benchmark query in the selected topics, each model's response is judged against the
+baseline's under the user's criteria (baseline in slot A, so criteria + query + baseline is a prefix
+the scorer computes once per query). A model wins an example when the CRM prefers its response;
+a score tie or the tie class is a tie, reported apart from wins. The win rate per topic is
+wins / examples; Overall is micro-averaged over all selected examples (wins / examples).
+
+Benchmark lines that cannot be used are never skipped silently: a line that does not parse, or that
+lacks the baseline's or a ranked model's response, is rejected for every model (so all models are
+ranked on the same examples) and listed with file, line, field and reason; lines read = used +
+rejected + outside the selected topics.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crm.evaluation import verdict
+from crm.records import BenchRecord, RecordError, read_lines
+from crm.transforms import LABEL_A, LABEL_B, PairExample
+
+# The criteria-blind setting: what the reference leaderboard used for its crowd ranking. A CRM
+# reads it as "no particular taste": whatever preference it holds without criteria, which for a
+# model trained on crowd votes is the crowd's average preference.
+DEFAULT_CRITERIA = ("General user preference",)
+
+WIN, TIE, LOSS = "win", "tie", "loss"
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The benchmark examples a leaderboard ranks on, and what was left out and why."""
+
+    path: str
+    baseline: str
+    models: tuple[str, ...]  # ranked models, in the benchmark's order (the baseline excluded)
+    topics: tuple[str, ...]  # selected topics, in the benchmark's order
+    records: tuple[BenchRecord, ...]
+    rejects: tuple[dict, ...] = ()  # {file, line, field, reason}
+    outside_topics: int = 0  # lines of topics not selected
+
+    @property
+    def counts(self) -> dict:
+        used, rejected = len(self.records), len(self.rejects)
+        return {"read": used + rejected + self.outside_topics, "used": used, "rejected": rejected,
+                "outside_topics": self.outside_topics}
+
+
+def select(path: str | Path, baseline: str, topics: Sequence[str] | None = None,
+           models: Sequence[str] | None = None) -> Selection:
+    """Read a benchmark file and select the examples to rank `models` (None: all) against `baseline`.
+
+    Raises ValueError when nothing can be ranked: the baseline, a requested model or a requested
+    topic appears nowhere, or no line is usable.
+    """
+    path = str(path)
+    parsed, rejects = [], []
+    for line in read_lines(path, "bench"):
+        if line.error:
+            rejects.append(line.error.as_dict())
+        else:
+            parsed.append((line.number, line.record))
+    in_file = list(dict.fromkeys(name for _, r in parsed for name in r.responses))
+    if baseline not in in_file:
+        raise ValueError(f"{path}: baseline {baseline!r} has no response in any line "
+                         f"(models: {', '.join(in_file) or 'none'})")
+    if models is None:
+        models = [m for m in in_file if m != baseline]
+    unknown = [m for m in models if m not in in_file]
+    if unknown:
+        raise ValueError(f"{path}: models={list(unknown)} have no response in any line "
+                         f"(models: {', '.join(in_file)})")
+    models = tuple(m for m in dict.fromkeys(models) if m != baseline)
+    if not models:
+        raise ValueError(f"{path}: no model to rank besides the baseline {baseline!r}")
+    file_topics = list(dict.fromkeys(r.topic for _, r in parsed))
+    if topics is None:
+        topics = file_topics
+    else:
+        missing = [t for t in topics if t not in file_topics]
+        if missing:
+            raise ValueError(f"{path}: topics={list(missing)} not in the benchmark "
+                             f"(topics: {', '.join(file_topics)})")
+        topics = [t for t in file_topics if t in set(topics)]
+    records, outside = [], 0
+    for number, record in parsed:
+        if record.topic not in topics:
+            outside += 1
+            continue
+        absent = [m for m in (baseline, *models) if m not in record.responses]
+        if absent:
+            role = "the baseline" if absent[0] == baseline else "a ranked model"
+            reason = (f"no response from {role} {absent[0]!r}; the line is left out for every "
+                      "model, so that all are ranked on the same examples")
+            rejects.append(RecordError(reason, f"responses.{absent[0]}", path, number).as_dict())
+            continue
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path}: no usable line for baseline {baseline!r} in topics "
+                         f"{list(topics)} ({len(rejects)} rejected)")
+    return Selection(path, baseline, models, tuple(topics), tuple(records), tuple(rejects), outside)
+
+
+# -- judging --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    model: str
+    topic: str
+    result: str  # WIN, TIE or LOSS against the baseline
+    p_win: float  # P(the model's response is preferred)
+
+
+def judge(scorer, selection: Selection, criteria: Sequence[str],
+          both_orders: bool = False) -> list[Outcome]:
+    """One outcome per (example, model): the model's response against the baseline's.
+
+    The baseline sits in slot A, the model in slot B (`both_orders` also judges the swapped
+    order and averages the probabilities). A pair the length policy cannot fit is an error that
+    names it: a model must not lose (or win) an example by being too long to read.
+    """
+    criteria = tuple(criteria)
+    examples, keys = [], []
+    for record in selection.records:
+        base = record.responses[selection.baseline]
+        for model in selection.models:
+            examples.append(PairExample(f"{record.idx}/{model}", criteria, base[0].content,
+                                        base[1:], record.responses[model][1:], LABEL_A,
+                                        record.topic))
+            keys.append((model, record.topic))
+    probs = scorer.pair_probabilities(examples, unfit="nan", both_orders=both_orders)
+    unfit = [e.key for e, p in zip(examples, probs) if p.isnan().any()]
+    if unfit:
+        raise ValueError(f"{selection.path}: {len(unfit)} pairs (benchmark idx/model) cannot fit "
+                         f"in {scorer.encoder.max_tokens} tokens even with shortened responses: "
+                         f"{', '.join(unfit[:5])}{' ...' if len(unfit) > 5 else ''}")
+    outcomes = []
+    for (model, topic), p in zip(keys, probs.tolist()):
+        v = verdict(p)
+        result = WIN if v == LABEL_B else LOSS if v == LABEL_A else TIE
+        outcomes.append(Outcome(model, topic, result, p[LABEL_B]))
+    return outcomes
+
+
+# -- the arithmetic -------------------------------------------------------------------------------
+
+
+def _cell(results: list[Outcome]) -> dict:
+    n = len(results)
+    wins = sum(o.result == WIN for o in results)
+    ties = sum(o.result == TIE for o in results)
+    return {"n": n, "wins": wins, "ties": ties, "losses": n - wins - ties,
+            "win_rate": round(wins / n, 4) if n else None,
+            "tie_rate": round(ties / n, 4) if n else None,
+            "mean_p_win": round(sum(o.p_win for o in results) / n, 4) if n else None}
+
+
+def win_rates(outcomes: Iterable[Outcome], models: Sequence[str],
+              topics: Sequence[str]) -> list[dict]:
+    """Rows {rank, model, overall, topics: {topic: cell}}, best first.
+
+    Overall is micro-averaged: all of a model's wins over all its examples (a topic with more
+    examples weighs more). Ranked by overall win rate, then mean P(win), then name.
+    """
+    by_model = defaultdict(list)
+    for o in outcomes:
+        by_model[o.model].append(o)
+    rows = []
+    for model in models:
+        results = by_model[model]
+        rows.append({"model": model, "overall": _cell(results),
+                     "topics": {t: _cell([o for o in results if o.topic == t]) for t in topics}})
+    rows.sort(key=lambda r: (-(r["overall"]["win_rate"] or 0), -(r["overall"]["mean_p_win"] or 0),
+                             r["model"]))
+    for rank, row in enumerate(rows, start=1):
+        row["rank"] = rank
+    return [{"rank": r["rank"], **{k: v for k, v in r.items() if k != "rank"}} for r in rows]
+
+
+def kendall_tau(rows_a: list[dict], rows_b: list[dict]) -> dict:
+    """Kendall tau-b between two rankings of the same models (-1: one reverses the other)."""
+    from scipy.stats import kendalltau
+
+    rank_b = {r["model"]: r["rank"] for r in rows_b}
+    models = [r["model"] for r in rows_a]
+    tau, p_value = kendalltau([r["rank"] for r in rows_a], [rank_b[m] for m in models])
+    return {"tau": round(float(tau), 4), "p_value": float(p_value), "models": len(models)}
+
+
+@dataclass
+class Board:
+    """One ranking: the criteria it was judged under and its rows."""
+
+    label: str
+    criteria: tuple[str, ...]
+    rows: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "criteria": list(self.criteria), "rows": self.rows}
+
+
+def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "criteria",
+         both_orders: bool = False) -> Board:
+    outcomes = judge(scorer, selection, criteria, both_orders=both_orders)
+    return Board(label, tuple(criteria), win_rates(outcomes, selection.models, selection.topics))
+
+
+def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
+                contrast: Sequence[str] | None = None, both_orders: bool = False,
+                labels: tuple[str, str] = ("criteria", "contrast")) -> dict:
+    """The leaderboard.json document: counts, rejects, one board per criteria set and, with a
+    contrast set, the Kendall tau between the two rankings."""
+    if not criteria:
+        raise ValueError("no criteria: give the user's criteria (one line each), or use the "
+                         "default criteria")
+    boards = [rank(scorer, selection, criteria, labels[0], both_orders)]
+    if contrast:
+        boards.append(rank(scorer, selection, contrast, labels[1], both_orders))
+    out = {"bench": selection.path, "baseline": selection.baseline,
+           "topics": list(selection.topics), "models": list(selection.models),
+           "both_orders": both_orders, "examples": selection.counts,
+           "rejects": list(selection.rejects), "boards": [b.as_dict() for b in boards]}
+    if contrast:
+        out["kendall_tau"] = kendall_tau(boards[0].rows, boards[1].rows)
+    return out
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def markdown(result: dict) -> str:
+    """Tables like the reference leaderboard: model, Overall, one column per topic (win rate %)."""
+    topics = result["topics"]
+    counts = result["examples"]
+    lines = [f"Baseline: `{result['baseline']}` · {counts['used']} examples used "
+             f"({counts['rejected']} rejected, {counts['outside_topics']} outside the selected "
+             f"topics, {counts['read']} read) · win rate (%) against the baseline; "
+             f"Overall is micro-averaged over the examples"
+             + (" · both orders averaged" if result["both_orders"] else "")]
+    for board in result["boards"]:
+        with_ties = any(r["overall"]["ties"] for r in board["rows"])
+        lines += ["", f"### {board['label']}: " + " / ".join(f'"{c}"' for c in board["criteria"]),
+                  ""]
+        head = ["Rank", "Model", "Overall"] + (["Ties"] if with_ties else []) + topics
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join(["---:", ":---"] + ["---:"] * (len(head) - 2)) + "|")
+        for row in board["rows"]:
+            cells = [str(row["rank"]), row["model"], f"**{_pct(row['overall']['win_rate'])}**"]
+            if with_ties:
+                cells.append(_pct(row["overall"]["tie_rate"]))
+            cells += [_pct(row["topics"][t]["win_rate"]) for t in topics]
+            lines.append("| " + " | ".join(cells) + " |")
+    if "kendall_tau" in result:
+        k = result["kendall_tau"]
+        lines += ["", f"Kendall tau between the two rankings: **{k['tau']:+.3f}** "
+                      f"(p = {k['p_value']:.2g}, {k['models']} models)"]
+    if result["rejects"]:
+        lines += ["", f"Rejected benchmark lines ({len(result['rejects'])}):"]
+        lines += [f"- {r['file']}:{r['line']}: {r['field']}: {r['reason']}"
+                  for r in result["rejects"][:20]]
+        if len(result["rejects"]) > 20:
+            lines.append(f"- ... and {len(result['rejects']) - 20} more (leaderboard.json)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    """leaderboard.png: per board, overall win rates as sorted bars and a model x topic heatmap;
+    with a contrast set, a slope chart of the two rankings with their Kendall tau."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.gridspec import GridSpec
+
+    boards, topics = result["boards"], result["topics"]
+    n_models = len(result["models"])
+    height = max(2.6, 0.42 * n_models + 1.4)
+    slope = len(boards) == 2
+    widths = [3.2, max(2.4, 0.62 * len(topics))] + ([3.0] if slope else [])  # inches
+    fig = plt.figure(figsize=(sum(widths) + 1.5, height * len(boards)), dpi=110)
+    grid = GridSpec(len(boards), len(widths), figure=fig, width_ratios=widths,
+                    wspace=0.12 + 0.08 * slope, hspace=0.55)
+    cmap = plt.get_cmap("RdYlGn")
+    for b, board in enumerate(boards):
+        rows = board["rows"]
+        names = [r["model"] for r in rows]
+        overall = [100 * r["overall"]["win_rate"] for r in rows]
+        ax = fig.add_subplot(grid[b, 0])
+        y = range(len(rows))
+        ax.barh(y, overall, color=[cmap(v / 100) for v in overall], edgecolor="#555", lw=0.5)
+        for i, v in enumerate(overall):
+            inside = v > 22
+            ax.text(v - 2 if inside else v + 2, i, f"{v:.0f}%", va="center",
+                    ha="right" if inside else "left", fontsize=8.5, fontweight="bold")
+        ax.axvline(50, color="#444", ls="--", lw=0.8, zorder=0)
+        ax.set_xlim(0, 100)
+        ax.set_yticks(list(y), names, fontsize=9)
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # best on top, rows level with the heatmap's
+        ax.set_xlabel(f"Overall win rate vs {result['baseline']} (%)", fontsize=8.5)
+        ax.spines[["top", "right"]].set_visible(False)
+        criteria = " / ".join(f"\u201c{c}\u201d" for c in board["criteria"])
+        ax.set_title(f"{board['label']}: {_shorten(criteria, 80)}", loc="left", fontsize=10,
+                     fontweight="bold")
+
+        heat = fig.add_subplot(grid[b, 1])
+        values = [[100 * (r["topics"][t]["win_rate"] or 0) for t in topics] for r in rows]
+        heat.imshow(values, cmap=cmap, vmin=0, vmax=100, aspect="auto")
+        for i, line in enumerate(values):
+            for j, v in enumerate(line):
+                heat.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8,
+                          color="white" if v < 18 or v > 85 else "black")
+        heat.set_xticks(range(len(topics)), topics, rotation=30, ha="right", fontsize=8.5)
+        heat.set_yticks([])
+        heat.set_title("win rate per topic (%)", fontsize=8.5, loc="right", color="#555")
+        for s in heat.spines.values():
+            s.set_visible(False)
+
+    if slope:
+        ax = fig.add_subplot(grid[:, 2])
+        rank_a = {r["model"]: r["rank"] for r in boards[0]["rows"]}
+        rank_b = {r["model"]: r["rank"] for r in boards[1]["rows"]}
+        colors = plt.get_cmap("tab10")
+        for i, model in enumerate(rank_a):
+            color = colors(i % 10)
+            ax.plot([0, 1], [rank_a[model], rank_b[model]], "-o", color=color, lw=1.8, ms=5)
+            ax.text(-0.06, rank_a[model], model, ha="right", va="center", fontsize=8, color=color)
+            ax.text(1.06, rank_b[model], model, ha="left", va="center", fontsize=8, color=color)
+        ax.set_xlim(-0.9, 1.9)
+        ax.set_ylim(n_models + 0.6, 0.4)
+        ax.set_xticks([0, 1], [boards[0]["label"], boards[1]["label"]], fontsize=9)
+        ax.set_yticks([])
+        ax.spines[["top", "right", "left"]].set_visible(False)
+        tau = result["kendall_tau"]["tau"]
+        ax.set_title(f"rank under each criteria set\nKendall tau = {tau:+.2f}", fontsize=10,
+                     fontweight="bold")
+    counts = result["examples"]
+    fig.suptitle(f"User-centric leaderboard: win rate against {result['baseline']} "
+                 f"({counts['used']} examples, {len(topics)} topics)", x=0.01, ha="left",
+                 fontsize=12, fontweight="bold")
+    path = Path(path)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _shorten(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
