@@ -18,14 +18,15 @@ $(BIN)/.installed: setup.py
 # The embedded CPU demo: generate data -> shard -> train the tiny pairwise CRM -> export ->
 # evaluate on the held-out test files (outputs/demo/metrics.json). A rerun resumes the same run;
 # `make demo ARGS="name=other"` starts a new one. Then crm-eval (outputs/eval/<name>) and
-# crm-leaderboard under two contradictory criteria sets (outputs/leaderboard/<name>).
+# crm-leaderboard under two contradictory criteria sets (outputs/leaderboard/<name>), each pair
+# judged in both orders (the tiny model flips 10-25% of its verdicts when A and B swap).
 demo: install
 	$(BIN)/crm-train $(ARGS)
 	@root=$${CRM_ROOT:-.}; name=$$(echo " $(ARGS)" | sed -n 's/.* name=\([^ ]*\).*/\1/p'); \
 	name=$${name:-demo}; raw=$$root/.cache/demo/raw; model=$$root/outputs/$$name/export; \
 	tests=$$(ls $$raw/test/*.jsonl | paste -sd, -); set -x; \
 	$(BIN)/crm-eval model=$$model name=$$name "data.test=[$$tests]" && \
-	$(BIN)/crm-leaderboard model=$$model name=$$name \
+	$(BIN)/crm-leaderboard model=$$model name=$$name both_orders=true \
 	  bench=$$raw/bench.jsonl baseline=baseline \
 	  labels.criteria=detailed 'criteria=["I prefer detailed answers that cover everything."]' \
 	  labels.contrast=concise 'contrast=["I prefer short, to-the-point answers."]'

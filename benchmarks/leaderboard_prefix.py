@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
     p.add_argument("--n-bench", type=int, default=60)
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="widen the tiny model (intermediate 3x, heads of 32) to see a larger model")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -84,11 +86,15 @@ def main() -> None:
         write_demo(tmp, seed=0, n_train=2000, n_test=2, n_bench=args.n_bench)
         tokenizer = train_bpe_tokenizer(training_texts(f"{tmp}/train.jsonl"), 2048)
         selection = select(f"{tmp}/bench.jsonl", BENCH_BASELINE)
-    tiny = OmegaConf.load(Path(crm_configs.__file__).parent / "model" / "tiny.yaml")
+    arch = OmegaConf.to_container(
+        OmegaConf.load(Path(crm_configs.__file__).parent / "model" / "tiny.yaml").arch)
+    if args.hidden_size:
+        heads = args.hidden_size // 32
+        arch.update(hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
+                    num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32)
     torch.manual_seed(0)
     crm = build_crm("pairwise", num_labels=2, pad_token_id=tokenizer.pad_token_id,
-                    arch={**OmegaConf.to_container(tiny.arch), "vocab_size": len(tokenizer)},
-                    attention="sdpa")
+                    arch={**arch, "vocab_size": len(tokenizer)}, attention="sdpa")
     scorer = CRMScorer(crm.model, tokenizer, PromptTemplate(), "pairwise", max_tokens=1024,
                        batch_size=args.batch_size, device=torch.device("cpu"))
     n = len(selection.models)
@@ -120,6 +126,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "leaderboard judging, plain vs prefix reuse",
         "model": "tiny Qwen3 (configs/model/tiny.yaml arch), random init; BPE 2048 on demo data",
+        "arch": {k: arch[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "intermediate_size")},
         "device": "cpu", "dtype": "float32", "threads": args.threads,
         "throughput": "pairs per CPU second of this process (best of repeats); wall also given",
         "batch_size": args.batch_size, "repeats": args.repeats,

@@ -11,12 +11,13 @@ kept, and only each candidate's tokens (its response and the template's tail) ru
   their first conversation. A group of rows takes the prefix path only when that saves at least
   PREFIX_MIN_SAVING of its tokens: the N + 1 responses of a pointwise leaderboard query do, the two
   responses of a pointwise test pair usually do not. Everything else takes the plain path.
-- Same tokens, same score: the prefix and the rest are tokenized separately, and a row is only
-  scored from the prefix when `ids(prefix) + ids(rest)` equals the ids of the whole prompt. The
-  split follows the newline that ends a slot header, where byte-level pre-tokenizers split before
-  a word; a response that starts with whitespace or newlines can merge with it, and a prompt the
-  length policy shortened differs everywhere. Such rows take the plain path; `counts` says how
-  many did (split_mismatch, prefix_declined, prefix_sequences).
+- Same tokens, same score: the prefix text is tokenized alone, and a row is only scored from the
+  prefix when its own ids (the whole prompt, as the plain path tokenizes it) start with exactly
+  those ids; its suffix is the rest of its own ids, so the model reads the plain path's tokens.
+  The split follows the newline that ends a slot header, where byte-level pre-tokenizers split
+  before a word; a response that starts with whitespace or newlines can merge with that newline,
+  and a prompt the length policy shortened differs earlier. Such rows take the plain path;
+  `counts` says how many did (split_mismatch, prefix_declined, prefix_sequences).
 - Batches: the prefixes of up to `batch_size` groups run as one right-padded batch; then each
   group's rows run in batches of `batch_size`, each row over its own group's cached keys/values,
   with the prefix's padding masked and position ids continuing from the prefix's real length.
@@ -45,7 +46,8 @@ LIGHTNING_PREFIX = "crm.model."  # where a crm-train checkpoint keeps the HF mod
 # The prefix path costs a copy of the cached keys/values per row, attention with an explicit mask
 # and padding in two places: a group takes it only when it saves at least this share of its tokens
 # (a pointwise test pair, criteria + query shared by two responses, saves about a quarter and
-# measured 20% slower on CPU; a leaderboard query with 8 candidates saves about 55%: ~2x faster).
+# measured 20% slower on CPU; a leaderboard query with 8 candidates saves about 55% of its tokens
+# and ran 1.6-2.2x faster, benchmarks/leaderboard_prefix.py).
 PREFIX_MIN_SAVING = 1 / 3
 
 
@@ -81,11 +83,10 @@ class Preference(float):
 
 @dataclass
 class _Row:
-    """One sequence to score: its ids, and where it splits into a shared prefix and a rest."""
+    """One sequence to score: its ids, and the text of the prefix it may share with others."""
 
     ids: list[int]
     prefix_text: str | None = None  # None: the plain path
-    rest_text: str | None = None
 
 
 class CRMScorer:
@@ -237,16 +238,16 @@ class CRMScorer:
         rows = [None if ids is None else _Row(ids) for ids in encoded]
         if not self.prefix_reuse:
             return rows
-        t = self.template
+        render = self.template.pairwise_text
         with_a = Counter((e.criteria, e.query, e.conv_a) for e in examples)
         with_query = Counter((e.criteria, e.query) for e in examples)
         for e, row in zip(examples, rows):
             if row is None:
                 continue
             if with_a[(e.criteria, e.query, e.conv_a)] > 1:  # split before conversation B
-                self._split(row, t.pairwise_text(e.criteria, e.query, e.conv_a, _slot()), e.conv_b)
+                row.prefix_text = self._prefix(render(e.criteria, e.query, e.conv_a, _slot()))
             elif with_query[(e.criteria, e.query)] > 1:  # split before conversation A
-                self._split(row, t.pairwise_text(e.criteria, e.query, _slot(), e.conv_b), e.conv_a)
+                row.prefix_text = self._prefix(render(e.criteria, e.query, _slot(), e.conv_b))
         return rows
 
     def _pointwise_rows(self, items: Sequence[tuple], encoded: list) -> list[_Row | None]:
@@ -256,16 +257,16 @@ class CRMScorer:
         with_query = Counter((c, q) for c, q, _ in items)
         for (criteria, query, conv), row in zip(items, rows):
             if row is not None and with_query[(criteria, query)] > 1:
-                self._split(row, self.template.pointwise_text(criteria, query, _slot()), conv)
+                row.prefix_text = self._prefix(
+                    self.template.pointwise_text(criteria, query, _slot()))
         return rows
 
-    def _split(self, row: _Row, text: str, slot: Conversation) -> None:
-        """Cut `row` where `text` (its prompt with SENTINEL in place of `slot`) holds SENTINEL."""
+    def _prefix(self, text: str) -> str | None:
+        """The chat text before SENTINEL in `text` (a prompt with SENTINEL in the split slot)."""
         chat = self.encoder.chat_text(text)
         if chat.count(SENTINEL) != 1:  # the chat template changed the content: no split
-            return
-        row.prefix_text, after = chat.split(SENTINEL)
-        row.rest_text = self.template.conversation_block(slot) + after
+            return None
+        return chat.split(SENTINEL)[0]
 
     # -- running the model -----------------------------------------------------------------------
 
@@ -293,18 +294,16 @@ class CRMScorer:
         return out
 
     def _prefix_groups(self, rows: list[_Row]) -> dict[tuple, list[int]]:
-        """{prefix ids: row indices} for rows whose tokens split exactly at their prefix."""
+        """{prefix ids: row indices} for rows whose ids start with their prefix's ids."""
         split = [i for i, r in enumerate(rows) if r.prefix_text is not None]
         if not split:
             return {}
         texts = list(dict.fromkeys(rows[i].prefix_text for i in split))
         prefix_ids = dict(zip(texts, self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
-        rest_ids = self.tokenizer([rows[i].rest_text for i in split],
-                                  add_special_tokens=False)["input_ids"]
         groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, rest in zip(split, rest_ids):
-            prefix = prefix_ids[rows[i].prefix_text]
-            if rest and prefix + rest == rows[i].ids:
+        for i in split:
+            prefix, ids = prefix_ids[rows[i].prefix_text], rows[i].ids
+            if len(prefix) < len(ids) and ids[:len(prefix)] == prefix:
                 groups[tuple(prefix)].append(i)
             else:
                 self.counts["split_mismatch"] += 1

@@ -124,15 +124,24 @@ def test_rows_whose_tokens_differ_at_the_split_take_the_plain_path():
     torch.testing.assert_close(reused, plain, atol=1e-4, rtol=0)
 
 
-def test_a_prompt_that_is_cut_by_the_length_policy_falls_back_to_the_plain_path():
-    long_candidate = "beta reply " * 200
+def test_prompts_shortened_by_the_length_policy():
+    # The policy shortens the longest messages first: a long candidate alone is cut and still
+    # starts with the baseline's prefix; a long candidate next to a long baseline cuts the
+    # baseline too, and that row no longer shares the prefix.
     scorer = tiny_scorer(max_tokens=300, batch_size=2)
-    examples = leaderboard_examples(n_queries=1, n_candidates=3)
-    examples.append(PairExample("long", examples[0].criteria, examples[0].query,
-                                examples[0].conv_a, answer(long_candidate), 0))
+    base = answer("alpha reply " * 15)
+    examples = [PairExample(str(i), CRITERIA, "question", base, answer(text), 0) for i, text in
+                enumerate(["beta reply", "the answer", "beta reply " * 150])]
     plain, reused = both_paths(scorer, examples)
-    assert scorer.encoder.stats.shortened >= 2
-    assert scorer.counts["split_mismatch"] == 1 and scorer.counts["prefix_sequences"] == 3
+    assert scorer.encoder.stats.shortened >= 1
+    assert scorer.counts["split_mismatch"] == 1 and scorer.counts["prefix_sequences"] == 2
+    torch.testing.assert_close(reused, plain, atol=1e-4, rtol=0)
+
+    examples = leaderboard_examples(n_queries=1, n_candidates=3)  # a short baseline
+    examples.append(PairExample("long", examples[0].criteria, examples[0].query,
+                                examples[0].conv_a, answer("beta reply " * 200), 0))
+    plain, reused = both_paths(scorer, examples)
+    assert scorer.counts["split_mismatch"] == 0 and scorer.counts["prefix_sequences"] == 4
     torch.testing.assert_close(reused, plain, atol=1e-4, rtol=0)
 
 
