@@ -45,9 +45,10 @@ SENTINEL = "\x00crm-slot\x00"  # stands for the conversation where a prompt is s
 LIGHTNING_PREFIX = "crm.model."  # where a crm-train checkpoint keeps the HF model's weights
 # The prefix path costs a copy of the cached keys/values per row, attention with an explicit mask
 # and padding in two places: a group takes it only when it saves at least this share of its tokens
-# (a pointwise test pair, criteria + query shared by two responses, saves about a quarter and
-# measured 20% slower on CPU; a leaderboard query with 8 candidates saves about 55% of its tokens
-# and ran 1.6-2.2x faster, benchmarks/leaderboard_prefix.py).
+# (on CPU, a pointwise test pair, criteria + query shared by two responses, saves a quarter of its
+# tokens yet ran 15-40% slower, its two-row groups padding worse than length-sorted batches; a
+# leaderboard query with 8 candidates saves about 55% and ran 1.5-2.3x faster,
+# benchmarks/leaderboard_prefix.py).
 PREFIX_MIN_SAVING = 1 / 3
 
 

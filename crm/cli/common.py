@@ -57,7 +57,9 @@ def prepare_data(data: DictConfig) -> Path:
 
 
 def _prepare_demo(data: DictConfig, shard_dir: Path) -> None:
-    if not (shard_dir / "manifest.json").is_file():
+    # A cache from an older demo (fewer test files) is regenerated, not trained on and then failed.
+    complete = (shard_dir / "manifest.json").is_file() and all(Path(f).is_file() for f in data.test_files)
+    if not complete:
         from data_tools.demo import write_demo  # noqa: the demo's own generator
         from data_tools.shard import shard
 
