@@ -17,12 +17,7 @@ from crm.transforms import LABEL_A, LABEL_B, LABEL_TIE
 NAN = float("nan")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_verdict_is_strict_about_score_ties_and_unscorable_pairs():

@@ -18,12 +18,7 @@ from crm.leaderboard import (DEFAULT_CRITERIA, LOSS, TIE, WIN, Outcome, judge, k
 from crm.transforms import LABEL_B
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def bench_line(idx, topic, responses: dict) -> dict:

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_train import compose_train, demo_root, one_thread, run_train  # noqa: F401 (fixtures)
+from test_train import compose_train, demo_root, run_train  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 from crm.cli.report import main as report_main
 from crm.report import read_runs, table

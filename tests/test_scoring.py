@@ -11,12 +11,7 @@ from crm.scoring import CRMScorer, Preference
 from crm.transforms import PairExample, swap
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def answer(text: str):

@@ -75,14 +75,7 @@ def run_train(root: Path, run_dir: Path, *overrides: str, tiny: bool = True,
         HydraConfig.instance().cfg = None
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add overhead (and stall when another process holds the
-    cores: 2 threads measured 12x slower than 1 on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="session")
