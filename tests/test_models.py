@@ -71,6 +71,14 @@ def test_a_row_scores_the_same_alone_and_padded_in_a_batch(kind):
             torch.testing.assert_close(together[i], single[0], atol=1e-5, rtol=1e-5)
 
 
+def test_a_left_padded_batch_is_refused():
+    crm, tok = tiny_crm("pairwise")
+    batch = pad_rows(encoded_pairs(tok), tok.pad_token_id)
+    left_mask = batch["attention_mask"].flip(1)
+    with pytest.raises(ValueError, match="right padded"):
+        crm(batch["input_ids"], left_mask)
+
+
 def test_pairwise_loss_is_cross_entropy_and_accuracy_counts_argmax():
     crm, tok = tiny_crm("pairwise")
     batch = pad_rows(encoded_pairs(tok), tok.pad_token_id)

@@ -1,7 +1,7 @@
 """The two CRM heads over a Qwen3 sequence classifier, and their losses.
 
 Both read the head at each row's last attended token, found from the attention mask (not from the
-pad id, which breaks when pad == eos). Rows are right padded. The wrapped model is a plain
+pad id, which breaks when pad == eos). Rows must be right padded. The wrapped model is a plain
 `Qwen3ForSequenceClassification`, so an export loads with `AutoModelForSequenceClassification`.
 """
 from __future__ import annotations
@@ -12,10 +12,15 @@ from torch import nn
 
 
 def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    # use_cache=False: a training or scoring forward has no use for a KV cache; building one costs.
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
-                         use_cache=False).last_hidden_state
-    last = attention_mask.sum(dim=1) - 1
+    lengths = attention_mask.sum(dim=1)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    if not torch.equal(attention_mask.bool(), positions < lengths[:, None]):
+        raise ValueError("CRM rows must be right padded (attention mask = a prefix of ones per row)")
+    # Right padding under causal attention: no real token can see a pad, so the mask changes
+    # nothing the head reads. Without it sdpa takes its fused causal kernel instead of
+    # materialising a 4D mask. use_cache=False: a training or scoring forward needs no KV cache.
+    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    last = lengths - 1
     pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return model.score(pooled)
 
