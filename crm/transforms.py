@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from crm.records import Conversation, TestRecord, TrainRecord
 
-DIRECTIONS = ("original", "reverse", "random")
+DIRECTIONS = ("original", "reverse", "random", "both")
 NOISES = ("none", "add", "remove", "replace", "random")
 TIE_POLICIES = ("drop", "keep")
 ARITHMETICS = ("fixed", "reference")
@@ -22,25 +22,37 @@ LABELS = {"model_a": LABEL_A, "model_b": LABEL_B, "tie": LABEL_TIE}
 
 @dataclass(frozen=True)
 class TransformConfig:
-    direction: str = "original"  # whose criteria: the winner's, the loser's, or either (50/50)
+    direction: str = "original"  # whose criteria: the winner's, the loser's, either (50/50) or both
     noise: str = "none"  # criteria noise applied to the chosen criteria
     arithmetic: str = "fixed"  # "reference" reproduces the reference's noise counts (without its crash)
     swap_prob: float = 0.5  # probability of swapping A and B; the label follows
     ties: str = "drop"  # "keep" trains a 3-way head
     redraw_each_epoch: bool = True  # False: one draw per record for the whole run, as the reference
+    warmup_direction: str = "original"  # the direction of a run's first `warmup_batches` batches
+    warmup_batches: int = 0  # per rank; 0 = no direction curriculum
 
     def __post_init__(self):
-        for name, allowed in (("direction", DIRECTIONS), ("noise", NOISES), ("ties", TIE_POLICIES),
-                              ("arithmetic", ARITHMETICS)):
+        for name, allowed in (("direction", DIRECTIONS), ("warmup_direction", DIRECTIONS),
+                              ("noise", NOISES), ("ties", TIE_POLICIES), ("arithmetic", ARITHMETICS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"transform {name}={getattr(self, name)!r}: expected one of {allowed}")
         if (isinstance(self.swap_prob, bool) or not isinstance(self.swap_prob, (int, float))
                 or not 0.0 <= self.swap_prob <= 1.0):
             raise ValueError(f"transform swap_prob={self.swap_prob}: expected a probability in [0, 1]")
 
+        if isinstance(self.warmup_batches, bool) or not isinstance(self.warmup_batches, int) \
+                or self.warmup_batches < 0:
+            raise ValueError(f"transform warmup_batches={self.warmup_batches}: expected an int >= 0")
+
     @property
     def num_labels(self) -> int:
         return 3 if self.ties == "keep" else 2
+
+    def at_batch(self, index: int) -> "TransformConfig":
+        """The transform of a rank's `index`-th batch of the run (counted over epochs)."""
+        if index < self.warmup_batches:
+            return replace(self, direction=self.warmup_direction, warmup_batches=0)
+        return self
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,8 @@ def _after_query(conversation: Conversation) -> Conversation:
 def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: random.Random,
                   pool: CriteriaPool | None = None) -> PairExample:
     """Direction, noise and swap for one training record; every draw comes from `rng`."""
+    if cfg.direction == "both":
+        raise ValueError("direction 'both' makes two examples of a record: use train_examples")
     if record.human_winner == "tie":
         if cfg.ties != "keep":
             raise ValueError(f"record {key}: a tie reached the transforms with ties={cfg.ties!r}")
@@ -157,6 +171,18 @@ def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: rand
     example = PairExample(key, tuple(criteria), record.query, _after_query(record.model_a),
                           _after_query(record.model_b), label, record.topic)
     return swap(example) if rng.random() < cfg.swap_prob else example
+
+
+def train_examples(record: TrainRecord, key: str, cfg: TransformConfig, rng: random.Random,
+                   pool: CriteriaPool | None = None) -> list[PairExample]:
+    """What one record trains: one example, or under direction "both" a decided record twice, under
+    the winner's and the loser's criteria (each with its own noise and swap), in the same batch.
+    The pair of views then differs only in the criteria and the label, so the crowd's taste cancels
+    out of the gradient and what is left is the criteria's effect."""
+    if cfg.direction != "both" or record.human_winner == "tie":
+        return [train_example(record, key, cfg, rng, pool)]
+    return [train_example(record, key, replace(cfg, direction=direction), rng, pool)
+            for direction in ("original", "reverse")]
 
 
 def swap(example: PairExample) -> PairExample:

@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
 import crm_configs
-from crm.cli.common import prepare_data, world_size
+from crm.cli.common import build_transform, prepare_data, world_size
 from crm.cli.train import accumulation, train
 from crm.data.stream import pad_rows
 from crm.lit.callbacks import model_state_from_checkpoint
@@ -108,7 +108,7 @@ def test_config_groups_hold_the_documented_options():
     assert models <= set(config_options("model"))
     assert {"cls", "ranking"} <= set(config_options("loss"))
     assert {"none", "add", "remove", "replace", "random"} <= set(config_options("noise"))
-    assert {"original", "reverse", "random"} <= set(config_options("direction"))
+    assert {"original", "reverse", "random", "both", "curriculum"} <= set(config_options("direction"))
     assert {"demo", "shards"} <= set(config_options("data"))
     assert {"cpu", "gpu", "ddp"} <= set(config_options("trainer"))
     assert {"csv", "wandb", "none"} <= set(config_options("logger"))
@@ -148,6 +148,14 @@ def test_world_size_and_accumulation_of_the_trainer_configs():
     assert accumulation(32, 8, 2) == 2
     with pytest.raises(ValueError, match="not a multiple of micro_batch_size=8 x 3 ranks"):
         accumulation(32, 8, 3)
+
+
+def test_direction_curriculum_steps_become_micro_batches_of_a_rank():
+    cfg = compose_train(["direction=curriculum", "direction.warmup_steps=150"])
+    transform = build_transform(cfg, accumulation=2)
+    assert (transform.direction, transform.warmup_direction) == ("random", "original")
+    assert transform.warmup_batches == 300
+    assert build_transform(compose_train(["direction=random"]), accumulation=2).warmup_batches == 0
 
 
 # -- 2. every loss x noise x direction ------------------------------------------------------------

@@ -24,6 +24,7 @@ from crm.transforms import (
     record_rng,
     swap,
     train_example,
+    train_examples,
 )
 
 QUERY = "Plan a weekend in Lisbon"
@@ -118,6 +119,21 @@ def test_random_direction_is_half_and_half_and_consistent(winner):
         assert ex.label == LABEL_OF_SIDE[shown]
         outcomes["original" if shown == winner else "reverse"] += 1
     assert 430 <= outcomes["original"] <= 570, outcomes  # ~6 sigma around 500
+
+
+@pytest.mark.parametrize("n, winner", CASES)
+def test_both_directions_give_the_winners_and_the_losers_view(n, winner):
+    record = build(n, winner)
+    cfg = TransformConfig(direction="both", swap_prob=0.0)
+    won, lost = train_examples(record, "k", cfg, record_rng(0, 0, "k"))
+    assert (won.criteria, won.label) == (side_criteria(record, winner), LABEL_OF_SIDE[winner])
+    assert (lost.criteria, lost.label) == (side_criteria(record, other(winner)),
+                                           LABEL_OF_SIDE[other(winner)])
+    assert (won.conv_a, won.conv_b) == (lost.conv_a, lost.conv_b) == (record.model_a[1:],
+                                                                      record.model_b[1:])
+    assert len(train_examples(record, "k", TransformConfig(), record_rng(0, 0, "k"))) == 1
+    with pytest.raises(ValueError, match="train_examples"):
+        train_example(record, "k", cfg, record_rng(0, 0, "k"))
 
 
 @pytest.mark.parametrize("direction", ("original", "reverse"))
@@ -468,3 +484,13 @@ def test_eval_example_swapped_exchanges_conversations_and_flips_the_label(prefer
     assert swapped.conv_a == plain.conv_b and swapped.conv_b == plain.conv_a
     assert (plain.label, swapped.label) == (label, swapped_label)
     assert swap(swapped) == plain
+
+
+def test_direction_warmup_switches_at_the_batch_count():
+    cfg = TransformConfig(direction="random", warmup_direction="reverse", warmup_batches=3)
+    assert [cfg.at_batch(i).direction for i in range(5)] == ["reverse"] * 3 + ["random"] * 2
+    assert cfg.at_batch(0).at_batch(0).direction == "reverse"  # warmup_batches is spent
+    with pytest.raises(ValueError, match="warmup_direction"):
+        TransformConfig(warmup_direction="sideways", warmup_batches=1)
+    with pytest.raises(ValueError, match="warmup_batches"):
+        TransformConfig(warmup_batches=-1)

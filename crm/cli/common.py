@@ -107,11 +107,15 @@ def _train_tokenizer(model: DictConfig, manifest: Manifest, saved: Path) -> None
     log.info("trained a %d-token BPE on the training data: %s", len(tokenizer), saved)
 
 
-def build_transform(cfg: DictConfig) -> TransformConfig:
-    t = cfg.transform
-    return TransformConfig(direction=cfg.direction.name, noise=cfg.noise.name,
+def build_transform(cfg: DictConfig, accumulation: int = 1) -> TransformConfig:
+    """The transform from the direction/noise groups and `transform`; the direction curriculum's
+    optimizer steps become micro batches of one rank."""
+    t, direction = cfg.transform, cfg.direction
+    return TransformConfig(direction=direction.get("then", direction.name), noise=cfg.noise.name,
                            arithmetic=t.arithmetic, swap_prob=t.swap_prob, ties=t.ties,
-                           redraw_each_epoch=t.redraw_each_epoch)
+                           redraw_each_epoch=t.redraw_each_epoch,
+                           warmup_direction=direction.get("warmup", "original"),
+                           warmup_batches=direction.get("warmup_steps", 0) * accumulation)
 
 
 def crm_kwargs(model: DictConfig, loss: DictConfig, tokenizer) -> dict:

@@ -56,10 +56,10 @@ def train(cfg: DictConfig) -> dict:
     tokenizer = load_or_train_tokenizer(cfg.model, manifest, run_dir)
     template = PromptTemplate()
     kind = cfg.loss.kind
-    transform = build_transform(cfg)
+    accum = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world_size(cfg.trainer))
+    transform = build_transform(cfg, accum)
     make_crm = partial(build_crm, kind, num_labels=transform.num_labels,
                        **crm_kwargs(cfg.model, cfg.loss, tokenizer))
-    accum = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world_size(cfg.trainer))
     stream = StreamConfig(batch_size=cfg.micro_batch_size, mode=kind, seed=cfg.seed,
                           max_tokens=cfg.stream.max_tokens, min_turn_tokens=cfg.stream.min_turn_tokens,
                           shuffle_buffer=cfg.stream.shuffle_buffer,

@@ -27,7 +27,7 @@ from crm.data.reader import ShardError, iter_shard_raw, load_member
 from crm.prompts import LengthStats, PromptEncoder, PromptTemplate
 from crm.records import RecordError, TrainRecord, parse_train
 from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, record_rng,
-                            train_example)
+                            train_examples)
 
 MODES = ("pairwise", "pointwise")
 
@@ -140,12 +140,14 @@ class PairStream(IterableDataset):
         draw_epoch = epoch if self.cfg.shuffle and self.transform.redraw_each_epoch else 0
         encoder = PromptEncoder(self.tokenizer, self.cfg.template, self.cfg.max_tokens,
                                 self.cfg.min_turn_tokens)
+        batches_before = epoch * len(self)  # K is the same every epoch: the run's batch index
         for j, batch in enumerate(self.batches_of_records(epoch)):
             if j < skip or (j - skip) % workers != worker:
                 continue
-            examples = [train_example(self._parse(url, key, obj), key, self.transform,
-                                      record_rng(self.cfg.seed, draw_epoch, key), self.pool)
-                        for url, key, obj, _ in batch]
+            transform = self.transform.at_batch(batches_before + j)
+            examples = [ex for url, key, obj, _ in batch
+                        for ex in train_examples(self._parse(url, key, obj), key, transform,
+                                                 record_rng(self.cfg.seed, draw_epoch, key), self.pool)]
             yield self.collate(examples, encoder, position=(epoch, j))
 
     @staticmethod

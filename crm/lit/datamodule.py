@@ -53,10 +53,10 @@ class CRMDataModule(L.LightningDataModule):
         return self.train_loader
 
     def val_dataloader(self) -> StreamLoader:
-        # Validation sees a fixed order and one fixed draw per record, so its loss is comparable
-        # across evaluations.
-        return self._loader(self.val_split, replace(self.stream, shuffle=False), self.transform,
-                            _RestartingLoader)
+        # Validation sees a fixed order and one fixed draw per record, under the run's final
+        # direction, so its loss is comparable across evaluations.
+        return self._loader(self.val_split, replace(self.stream, shuffle=False),
+                            replace(self.transform, warmup_batches=0), _RestartingLoader)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Lightning fetches one batch ahead; a batch is consumed when it reaches the step, so the
