@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from crm.records import Conversation, TestRecord, TrainRecord
 
-DIRECTIONS = ("original", "reverse", "random", "both")
+DIRECTIONS = ("original", "reverse", "random")
 NOISES = ("none", "add", "remove", "replace", "random")
 TIE_POLICIES = ("drop", "keep")
 ARITHMETICS = ("fixed", "reference")
@@ -22,7 +22,7 @@ LABELS = {"model_a": LABEL_A, "model_b": LABEL_B, "tie": LABEL_TIE}
 
 @dataclass(frozen=True)
 class TransformConfig:
-    direction: str = "original"  # whose criteria: the winner's, the loser's, either (50/50) or both
+    direction: str = "original"  # whose criteria: the winner's, the loser's, or either (50/50)
     noise: str = "none"  # criteria noise applied to the chosen criteria
     arithmetic: str = "fixed"  # "reference" reproduces the reference's noise counts (without its crash)
     swap_prob: float = 0.5  # probability of swapping A and B; the label follows
@@ -149,8 +149,6 @@ def _after_query(conversation: Conversation) -> Conversation:
 def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: random.Random,
                   pool: CriteriaPool | None = None) -> PairExample:
     """Direction, noise and swap for one training record; every draw comes from `rng`."""
-    if cfg.direction == "both":
-        raise ValueError("direction 'both' makes two examples of a record: use train_examples")
     if record.human_winner == "tie":
         if cfg.ties != "keep":
             raise ValueError(f"record {key}: a tie reached the transforms with ties={cfg.ties!r}")
@@ -171,18 +169,6 @@ def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: rand
     example = PairExample(key, tuple(criteria), record.query, _after_query(record.model_a),
                           _after_query(record.model_b), label, record.topic)
     return swap(example) if rng.random() < cfg.swap_prob else example
-
-
-def train_examples(record: TrainRecord, key: str, cfg: TransformConfig, rng: random.Random,
-                   pool: CriteriaPool | None = None) -> list[PairExample]:
-    """What one record trains: one example, or under direction "both" a decided record twice, under
-    the winner's and the loser's criteria (each with its own noise and swap), in the same batch.
-    The pair of views then differs only in the criteria and the label, so the crowd's taste cancels
-    out of the gradient and what is left is the criteria's effect."""
-    if cfg.direction != "both" or record.human_winner == "tie":
-        return [train_example(record, key, cfg, rng, pool)]
-    return [train_example(record, key, replace(cfg, direction=direction), rng, pool)
-            for direction in ("original", "reverse")]
 
 
 def swap(example: PairExample) -> PairExample:

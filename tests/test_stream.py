@@ -461,21 +461,6 @@ def test_pairwise_labels_follow_the_transform(shards3, swap_prob):
             assert BY_KEY[key]["human_winner"] == ("model_a" if shown == "alpha" else "model_b")
 
 
-@pytest.mark.parametrize("mode", ["pairwise", "pointwise"])
-def test_direction_both_puts_each_records_two_views_in_one_batch(shards3, mode):
-    batches = list(make_loader(shards3, mode=mode, transform=TransformConfig(direction="both",
-                                                                             swap_prob=0.0)))
-    assert sorted(keys_of(batches)) == sorted([*DECIDED, *DECIDED])  # every record twice
-    for batch in batches:
-        assert Counter(batch["keys"]) == Counter({k: 2 for k in batch["keys"]})
-        assert batch["input_ids"].shape[0] == len(batch["keys"]) * (1 if mode == "pairwise" else 2)
-        if mode == "pairwise":
-            labels = {}
-            for key, label in zip(batch["keys"], batch["labels"].tolist()):
-                labels.setdefault(key, []).append(label)
-            assert all(sorted(pair) == [LABEL_A, LABEL_B] for pair in labels.values())
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_direction_warmup_counts_batches_across_epochs_and_resume(shards3, workers):
     def loader():

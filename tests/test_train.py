@@ -108,7 +108,7 @@ def test_config_groups_hold_the_documented_options():
     assert models <= set(config_options("model"))
     assert {"cls", "ranking"} <= set(config_options("loss"))
     assert {"none", "add", "remove", "replace", "random"} <= set(config_options("noise"))
-    assert {"original", "reverse", "random", "both", "curriculum"} <= set(config_options("direction"))
+    assert {"original", "reverse", "random", "curriculum"} <= set(config_options("direction"))
     assert {"demo", "shards"} <= set(config_options("data"))
     assert {"cpu", "gpu", "ddp"} <= set(config_options("trainer"))
     assert {"csv", "wandb", "none"} <= set(config_options("logger"))

@@ -24,7 +24,6 @@ from crm.transforms import (
     record_rng,
     swap,
     train_example,
-    train_examples,
 )
 
 QUERY = "Plan a weekend in Lisbon"
@@ -119,21 +118,6 @@ def test_random_direction_is_half_and_half_and_consistent(winner):
         assert ex.label == LABEL_OF_SIDE[shown]
         outcomes["original" if shown == winner else "reverse"] += 1
     assert 430 <= outcomes["original"] <= 570, outcomes  # ~6 sigma around 500
-
-
-@pytest.mark.parametrize("n, winner", CASES)
-def test_both_directions_give_the_winners_and_the_losers_view(n, winner):
-    record = build(n, winner)
-    cfg = TransformConfig(direction="both", swap_prob=0.0)
-    won, lost = train_examples(record, "k", cfg, record_rng(0, 0, "k"))
-    assert (won.criteria, won.label) == (side_criteria(record, winner), LABEL_OF_SIDE[winner])
-    assert (lost.criteria, lost.label) == (side_criteria(record, other(winner)),
-                                           LABEL_OF_SIDE[other(winner)])
-    assert (won.conv_a, won.conv_b) == (lost.conv_a, lost.conv_b) == (record.model_a[1:],
-                                                                      record.model_b[1:])
-    assert len(train_examples(record, "k", TransformConfig(), record_rng(0, 0, "k"))) == 1
-    with pytest.raises(ValueError, match="train_examples"):
-        train_example(record, "k", cfg, record_rng(0, 0, "k"))
 
 
 @pytest.mark.parametrize("direction", ("original", "reverse"))

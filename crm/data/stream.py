@@ -27,7 +27,7 @@ from crm.data.reader import ShardError, iter_shard_raw, load_member
 from crm.prompts import LengthStats, PromptEncoder, PromptTemplate
 from crm.records import RecordError, TrainRecord, parse_train
 from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, record_rng,
-                            train_examples)
+                            train_example)
 
 MODES = ("pairwise", "pointwise")
 
@@ -145,9 +145,9 @@ class PairStream(IterableDataset):
             if j < skip or (j - skip) % workers != worker:
                 continue
             transform = self.transform.at_batch(batches_before + j)
-            examples = [ex for url, key, obj, _ in batch
-                        for ex in train_examples(self._parse(url, key, obj), key, transform,
-                                                 record_rng(self.cfg.seed, draw_epoch, key), self.pool)]
+            examples = [train_example(self._parse(url, key, obj), key, transform,
+                                      record_rng(self.cfg.seed, draw_epoch, key), self.pool)
+                        for url, key, obj, _ in batch]
             yield self.collate(examples, encoder, position=(epoch, j))
 
     @staticmethod
