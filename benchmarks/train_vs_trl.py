@@ -3,7 +3,8 @@
 Same tiny Qwen3 architecture (configs/model/tiny.yaml) and initial weights, the same demo pairs
 rendered to the same token ids (criteria + query + response, chosen and rejected), the same batch
 size, AdamW at the same lr. TRL gets the pairs pre-tokenized; crm streams and tokenizes them
-in-process inside the timed loop. Runs alternate (crm, TRL, crm, TRL, ...) so machine noise hits
+inside the timed loop, in-process (`--num-workers 1` moves tokenizing to a DataLoader worker:
+slower on 2 cores, where the worker takes a core from the two torch threads). Runs alternate (crm, TRL, crm, TRL, ...) so machine noise hits
 both alike; each run's first steps (warm-up) are not timed. Prints one JSON document: samples/s
 of each (median over rounds), their ratio, real-token fraction of each, and crm's pairwise
 samples/s on the same data.
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -66,7 +66,7 @@ def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args) -> dict:
     torch.manual_seed(0)
     transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
     stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens)
-    data = CRMDataModule(manifest_dir, tokenizer, stream, transform)
+    data = CRMDataModule(manifest_dir, tokenizer, stream, transform, num_workers=args.num_workers)
     make = lambda: build_crm(kind, num_labels=2, pad_token_id=tokenizer.pad_token_id,  # noqa: E731
                              arch=arch, attention="sdpa")
     module = CRMModule(make, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0))
@@ -145,10 +145,11 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--n-train", type=int, default=3000)
+    p.add_argument("--num-workers", type=int, default=0,
+                   help="crm's DataLoader workers (0: tokenize in-process)")
     args = p.parse_args()
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
     tiny = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +172,8 @@ def main() -> None:
     result = {
         "setup": {"arch": arch, "batch_size": args.batch_size, "steps_per_run": args.steps,
                   "timed_steps": args.steps - WARMUP_STEPS, "rounds": args.rounds,
-                  "pairs_available": len(rows), "torch_threads": torch.get_num_threads()},
+                  "pairs_available": len(rows), "torch_threads": torch.get_num_threads(),
+                  "crm_num_workers": args.num_workers},
         "crm_pointwise": {"samples_per_s": median(ours, "samples_per_s"),
                           "real_token_fraction": median(ours, "real_token_fraction"),
                           "runs": [round(r["samples_per_s"], 2) for r in ours]},

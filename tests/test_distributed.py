@@ -47,7 +47,7 @@ TRAIN_RECORDS, RANK_BATCH = 360, 4
 SMALL = [*DEMO, "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2",
          "model.arch.intermediate_size=64", "model.vocab_size=300",
          "trainer.enable_progress_bar=false", "evaluate=false", "trainer.log_every_n_steps=1",
-         "early_stopping_patience=0", "stream.num_workers=0",
+         "early_stopping_patience=0", "stream.num_workers=0", "torch_threads=1",
          # A constant learning rate: the schedule does not depend on max_steps, so a run resumed
          # with a larger max_steps retraces an uninterrupted one.
          "optim.warmup_steps=0", "optim.min_lr_ratio=1.0"]

@@ -636,7 +636,7 @@ def test_train_sbatch_end_to_end_preempted_requeued_and_resumed(tmp_path):
         "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=64",
         "model.vocab_size=300", "trainer.accelerator=cpu", "parallel.param_dtype=float32",
         "parallel.activation_checkpointing=false", "global_batch_size=8", "micro_batch_size=4",
-        "stream.num_workers=1", "logger=csv", "evaluate=false", "val_every_n_steps=1000",
+        "stream.num_workers=1", "torch_threads=1", "logger=csv", "evaluate=false", "val_every_n_steps=1000",
         "save_every_n_steps=1000"]
     env = {"FAKE_SRUN_SPAWN": "1", "FAKE_HOSTNAMES": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false"}
     first = subprocess.Popen(["bash", str(TRAIN_SBATCH), *overrides, "trainer.max_steps=400"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pickle
 import traceback
 from collections import Counter
@@ -459,6 +460,15 @@ def test_pairwise_labels_follow_the_transform(shards3, swap_prob):
             # the label names the slot that shows the winner's response
             shown = (("alpha", "beta") if swap_prob == 0 else ("beta", "alpha"))[label]
             assert BY_KEY[key]["human_winner"] == ("model_a" if shown == "alpha" else "model_b")
+
+
+def test_workers_turn_the_tokenizers_thread_pool_off(shards3, monkeypatch):
+    # A worker forked after the fast tokenizer used its pool with TOKENIZERS_PARALLELISM=true hangs.
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    TOK(["warm the pool", "in the parent"] * 64)
+    loader = make_loader(shards3, workers=1)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    assert len(list(loader)) == len(loader)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -36,8 +36,8 @@ TINY_MODEL = ["model.arch.hidden_size=32", "model.arch.num_hidden_layers=1",
 TINY_DEMO = ["data.demo.n_train=200", "data.demo.n_test=20", "data.demo.n_bench=4"]
 # Two optimizer steps of 4 records, no sanity-check validation, no export; validation only when a
 # test asks for it.
-FAST = ["micro_batch_size=4", "global_batch_size=4", "stream.max_tokens=256", "stream.num_workers=0",
-        "stream.shuffle_buffer=64", "stream.window_batches=4", "trainer.max_steps=2",
+FAST = ["micro_batch_size=4", "global_batch_size=4", "torch_threads=1", "stream.max_tokens=256",
+        "stream.num_workers=0", "stream.shuffle_buffer=64", "stream.window_batches=4", "trainer.max_steps=2",
         "val_every_n_steps=100", "save_every_n_steps=100", "optim.warmup_steps=0",
         "logger=none", "trainer.enable_progress_bar=false", "+trainer.enable_model_summary=false",
         "+trainer.num_sanity_val_steps=0", "export=false", "evaluate=false"]
@@ -48,9 +48,12 @@ def config_options(group: str) -> list[str]:
 
 
 def config_groups() -> list[tuple[str, str]]:
-    """(group, option) for every YAML file in a subdirectory of configs/ (nested groups too)."""
+    """(group, option) for every YAML file in a subdirectory of configs/ (nested groups too).
+
+    `common/` dirs hold what a group's options include, not options: they compose through them."""
     return sorted((str(p.parent.relative_to(CONFIG_DIR)), p.stem)
-                  for p in CONFIG_DIR.rglob("*.yaml") if p.parent != CONFIG_DIR)
+                  for p in CONFIG_DIR.rglob("*.yaml")
+                  if p.parent != CONFIG_DIR and p.parent.name != "common")
 
 
 def compose_train(overrides: list[str], hydra_node: bool = False):

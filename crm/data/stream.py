@@ -221,8 +221,9 @@ class StreamLoader:
         self.epoch = 0
         self.batches_done = 0  # batches of `epoch` handed out (or restored)
         if num_workers:
-            # The tokenizer's own thread pool does not survive fork; workers are the parallelism.
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            # The tokenizer's own thread pool does not survive fork (a worker forked with
+            # TOKENIZERS_PARALLELISM=true hangs); workers are the parallelism.
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     def __len__(self) -> int:
         return len(self.dataset)
