@@ -110,3 +110,20 @@ def split_sizes(items: list, sizes: list[int]) -> list[list]:
         out.append(items[i:i + s])
         i += s
     return out
+
+
+def run_as_job(cfg, function):
+    """`function(cfg)` as a Hydra entry point runs it: the composed hydra node's run dir becomes
+    the job's output dir (HydraConfig), then the node is removed from cfg."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        return function(cfg)
+    finally:
+        HydraConfig.instance().cfg = None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import tiny_tokenizer
+from helpers import run_as_job, tiny_tokenizer
 
 from crm.models.factory import build_crm
 from crm.prompts import PromptTemplate
@@ -33,20 +33,10 @@ def export_tiny(out_dir, kind: str = "pairwise", num_labels: int = 2, seed: int 
 
 
 def run_cli(config_name: str, function, overrides: list[str], run_dir):
-    """`function(cfg)` as the Hydra entry point runs it: the run dir set, the hydra node removed."""
+    """`function(cfg)` as the Hydra entry point runs it, in `run_dir`."""
     from hydra import compose, initialize_config_module
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
 
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose(config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"],
                       return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    try:
-        return function(cfg)
-    finally:
-        HydraConfig.instance().cfg = None
+    return run_as_job(cfg, function)

@@ -14,9 +14,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import tiny_tokenizer
+from helpers import run_as_job, tiny_tokenizer
 from hydra import compose, initialize_config_module
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
 import crm_configs
@@ -67,15 +66,7 @@ def run_train(root: Path, run_dir: Path, *overrides: str, tiny: bool = True,
     base = (TINY_MODEL if tiny else []) + (TINY_DEMO if demo else []) + FAST
     cfg = compose_train([*base, f"paths.root_dir={root}", f"paths.output_dir={run_dir}",
                          *overrides], hydra_node=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    try:
-        return train(cfg)
-    finally:
-        HydraConfig.instance().cfg = None
+    return run_as_job(cfg, train)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
