@@ -10,6 +10,7 @@ No torch here: the tokenizer is any object with `apply_chat_template` and `__cal
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from crm.records import Conversation, Message
 
@@ -93,6 +94,13 @@ class LengthStats:
         self.dropped += other.dropped
 
 
+class Fit(NamedTuple):
+    """A prompt under the length policy: its token ids (None: dropped) and whether it was shortened."""
+
+    ids: list[int] | None
+    shortened: bool
+
+
 class PromptEncoder:
     """Renders examples to token ids no longer than `max_tokens`.
 
@@ -151,21 +159,28 @@ class PromptEncoder:
 
     def pairwise_many(self, items) -> list:
         """[(criteria, query, conv_a, conv_b)] -> token ids or None (dropped) for each."""
-        return self._fit_many([(lambda a, b, c=c, q=q: self.template.pairwise_text(c, q, a, b), [a, b])
-                               for c, q, a, b in items])
+        return [fit.ids for fit in self.fit_pairwise(items)]
 
     def pointwise_many(self, items) -> list:
         """[(criteria, query, conversation)] -> token ids or None (dropped) for each."""
+        return [fit.ids for fit in self.fit_pointwise(items)]
+
+    def fit_pairwise(self, items) -> list[Fit]:
+        """As `pairwise_many`, saying for each prompt whether the length policy shortened it."""
+        return self._fit_many([(lambda a, b, c=c, q=q: self.template.pairwise_text(c, q, a, b), [a, b])
+                               for c, q, a, b in items])
+
+    def fit_pointwise(self, items) -> list[Fit]:
         return self._fit_many([(lambda x, c=c, q=q: self.template.pointwise_text(c, q, x), [conv])
                                for c, q, conv in items])
 
-    def _fit_many(self, items) -> list:
+    def _fit_many(self, items) -> list[Fit]:
         self.stats.rendered += len(items)
         encoded = self.encode_texts([render(*convs) for render, convs in items])
-        return [ids if len(ids) <= self.max_tokens else self._shorten_to_fit(render, convs, ids)
+        return [Fit(ids, False) if len(ids) <= self.max_tokens else self._shorten_to_fit(render, convs, ids)
                 for ids, (render, convs) in zip(encoded, items)]
 
-    def _shorten_to_fit(self, render, conversations: list[Conversation], ids: list[int]):
+    def _shorten_to_fit(self, render, conversations: list[Conversation], ids: list[int]) -> Fit:
         contents = [self.tokenizer(m.content, add_special_tokens=False)["input_ids"]
                     for conv in conversations for m in conv]
         excess = len(ids) - self.max_tokens
@@ -179,11 +194,11 @@ class PromptEncoder:
             ids = self.encode_text(render(*self._shorten(conversations, contents, cap)))
             if len(ids) <= self.max_tokens:
                 self.stats.shortened += 1
-                return ids
+                return Fit(ids, True)
             # At least one token per capped message, so the cap always moves down.
             excess += max(len(ids) - self.max_tokens, sum(n > cap for n in lengths))
         self.stats.dropped += 1
-        return None
+        return Fit(None, False)
 
     def _shorten(self, conversations, contents, cap: int) -> list[Conversation]:
         out, i = [], 0

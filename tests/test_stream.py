@@ -485,11 +485,15 @@ def test_direction_warmup_counts_batches_across_epochs_and_resume(shards3, worke
     resumed.load_state_dict(run.state_dict())
     batches += list(resumed)
     assert len(batches) == 2 * k
+    # The warmup covers the records of the run's first k + 2 chunks (draw order): all of epoch 0
+    # and epoch 1's first two chunks, wherever length grouping puts them.
+    warm = {key for chunk in list(run.dataset.chunks_of_records(1))[:2] for _, key, _, _ in chunk}
+    assert 0 < len(warm) < len(keys_of(batches[k:]))
     for index, batch in enumerate(batches):
-        side = "original" if index < k + 2 else "reverse"
         for key, label in zip(batch["keys"], batch["labels"].tolist()):
             winner = LABELS[BY_KEY[key]["human_winner"]]
-            assert label == (winner if side == "original" else 1 - winner), (index, key)
+            original = index < k or key in warm
+            assert label == (winner if original else 1 - winner), (index, key)
 
 
 def test_pairwise_ties_kept_get_the_tie_label(shards3):
@@ -599,3 +603,21 @@ def test_padding_and_rows_match_the_prompt_encoder(mixed_lengths):
                 assert int(b["labels"][i]) == ex.label
                 assert ids[i, n - 2] == IM_END  # the chat template closes the prompt: never cut
     assert padded_somewhere
+
+
+@pytest.mark.parametrize("mode", ["pairwise", "pointwise"])
+def test_windows_group_records_by_encoded_length(mixed_lengths, mode):
+    shards, lengths = mixed_lengths
+    # One window of 6 batches holds all 24 records; in order (no shuffle) each batch's records are
+    # the next-longest ones, by their longest row in tokens.
+    batches = list(make_loader(shards, mode=mode, shuffle=False, window_batches=6))
+    assert len(batches) == 6 and sorted(keys_of(batches)) == sorted(lengths)
+    record_lengths = []
+    for b in batches:
+        rows = b["attention_mask"].sum(1).tolist()
+        n = len(b["keys"])
+        per_record = rows if mode == "pairwise" else [max(c, r) for c, r in zip(rows[:n], rows[n:])]
+        assert b["input_ids"].shape[1] == max(per_record)
+        record_lengths.append(per_record)
+    for shorter, longer in zip(record_lengths, record_lengths[1:]):
+        assert max(shorter) <= min(longer)

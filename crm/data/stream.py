@@ -1,22 +1,27 @@
-"""The training stream: shards -> rank range -> shuffle -> length-grouped batches -> transforms ->
-prompts -> token ids, in DataLoader workers.
+"""The training stream: shards -> rank range -> shuffle -> chunks -> transforms -> prompts -> token
+ids (in DataLoader workers) -> length-grouped, padded batches (where the workers' output meets).
 
 Exactly once per epoch, for any shard count, world size and worker count:
 - `plan.plan_rank` gives each rank a contiguous range of the epoch's record sequence and the same
   number of batches K (see plan.py for why records, not shards, are split).
 - Every worker of a rank reads the rank's whole range (JSON parsing is cheap next to tokenizing)
-  and forms the same batches in the same order; worker w keeps batch j when (j - skip) % V == w,
-  which is the order in which the DataLoader asks its workers. So batch composition depends only on
-  (seed, epoch, rank, world), not on the worker count, and skipping the first `skip` batches resumes
-  mid-epoch without replaying or losing a record.
+  and cuts it into the same K chunks (the plan's batch sizes, in draw order); worker w encodes
+  chunk j when (j - start) % V == w, which is the order in which the DataLoader asks its workers.
+- The loader's process gathers each window of `window_batches` chunks, sorts its records by
+  encoded length and cuts them into that window's batches. So batch composition depends only on
+  (seed, epoch, rank, world), not on the worker count, and every record is tokenized once.
+- Resuming at batch `skip` re-encodes the window that holds it and drops the window's batches
+  before `skip`: mid-epoch resume without replaying or losing a record.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -24,12 +29,26 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from crm.data.manifest import ShardInfo
 from crm.data.plan import RankPlan, plan_rank
 from crm.data.reader import ShardError, iter_shard_raw, load_member
-from crm.prompts import LengthStats, PromptEncoder, PromptTemplate
+from crm.prompts import PromptEncoder, PromptTemplate
 from crm.records import RecordError, TrainRecord, parse_train
 from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, record_rng,
                             train_example)
 
 MODES = ("pairwise", "pointwise")
+
+
+class Encoded(NamedTuple):
+    """A record after transforms and the length policy, before batching (sent from the workers)."""
+
+    key: str
+    rows: tuple[list[int], ...] | None  # pairwise: (ids,); pointwise: (chosen, rejected); None: dropped
+    label: int
+    rendered: int  # prompts rendered for it
+    shortened: int  # of those, shortened by the length policy
+
+    def length(self) -> float:
+        """The sort key of length grouping: the longest row (dropped records sort last)."""
+        return max(map(len, self.rows)) if self.rows is not None else math.inf
 
 
 @dataclass(frozen=True)
@@ -50,7 +69,8 @@ class StreamConfig:
 
 
 class PairStream(IterableDataset):
-    """Batches (dicts of tensors) for one rank; `len()` is the batch count K, equal on every rank."""
+    """One rank's stream: encoded chunks in workers (`__iter__`), length-grouped batches (dicts of
+    tensors) where they meet (`batches`); `len()` is the batch count K, equal on every rank."""
 
     def __init__(self, shards: list[ShardInfo], tokenizer, cfg: StreamConfig,
                  transform: TransformConfig, pool: CriteriaPool | None = None, rank: int = 0,
@@ -111,44 +131,44 @@ class PairStream(IterableDataset):
         rng.shuffle(buffer)
         yield from buffer
 
-    def batches_of_records(self, epoch: int) -> Iterator[list[tuple[str, str, dict, int]]]:
-        """The rank's batches of records for `epoch`, in yield order (every worker computes it)."""
+    def chunks_of_records(self, epoch: int) -> Iterator[list[tuple[str, str, dict, int]]]:
+        """The rank's records for `epoch`, in draw order, cut into the plan's batch sizes (chunks).
+
+        Every worker computes this; chunk j is the records that batch j's window draws, not batch
+        j itself: batches are formed from whole windows of encoded chunks (`batches`).
+        """
         plan = self.plan(epoch)
-        rng = random.Random(f"stream:{self.cfg.seed}:{epoch}:{self.rank}")
         records = self._records(plan)
         if self.cfg.shuffle:
-            records = self._shuffled(records, rng)
-        sizes = plan.sizes
-        for w in range(0, len(sizes), self.cfg.window_batches):
-            window_sizes = sizes[w:w + self.cfg.window_batches]
-            window = [next(records) for _ in range(sum(window_sizes))]
-            window.sort(key=lambda rec: rec[3])  # bytes: a cheap stand-in for the token length
-            batches, i = [], 0
-            for size in window_sizes:
-                batches.append(window[i:i + size])
-                i += size
-            if self.cfg.shuffle:
-                rng.shuffle(batches)
-            yield from batches
+            records = self._shuffled(records, random.Random(f"stream:{self.cfg.seed}:{epoch}:{self.rank}"))
+        for size in plan.sizes:
+            yield [next(records) for _ in range(size)]
 
-    # -- examples and tensors --------------------------------------------------------------------
+    def window_start(self, batch: int) -> int:
+        """The first batch of the length-grouping window that holds `batch`."""
+        return batch - batch % self.cfg.window_batches
 
-    def __iter__(self) -> Iterator[dict]:
+    # -- encoded chunks (in DataLoader workers) ----------------------------------------------------
+
+    def __iter__(self) -> Iterator[tuple[int, list[Encoded]]]:
+        """(j, chunk j encoded) for the chunks of this worker, from the window of batch `skip` on."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        epoch, skip = self.epoch, self.skip
+        epoch, start = self.epoch, self.window_start(self.skip)
         draw_epoch = epoch if self.cfg.shuffle and self.transform.redraw_each_epoch else 0
         encoder = PromptEncoder(self.tokenizer, self.cfg.template, self.cfg.max_tokens,
                                 self.cfg.min_turn_tokens)
         batches_before = epoch * len(self)  # K is the same every epoch: the run's batch index
-        for j, batch in enumerate(self.batches_of_records(epoch)):
-            if j < skip or (j - skip) % workers != worker:
+        for j, chunk in enumerate(self.chunks_of_records(epoch)):
+            if j < start or (j - start) % workers != worker:
                 continue
+            # A record's direction follows its chunk: the curriculum's first N batches' worth of
+            # records, in draw order.
             transform = self.transform.at_batch(batches_before + j)
             examples = [train_example(self._parse(url, key, obj), key, transform,
                                       record_rng(self.cfg.seed, draw_epoch, key), self.pool)
-                        for url, key, obj, _ in batch]
-            yield self.collate(examples, encoder, position=(epoch, j))
+                        for url, key, obj, _ in chunk]
+            yield j, self.encode(examples, encoder)
 
     @staticmethod
     def _parse(url: str, key: str, obj) -> TrainRecord:
@@ -157,46 +177,83 @@ class PairStream(IterableDataset):
         except RecordError as err:
             raise ShardError(f"{url}: sample {key}: {err}") from None
 
-    def collate(self, examples: list[PairExample], encoder: PromptEncoder, position) -> dict:
-        stats = encoder.stats = LengthStats()  # this batch's counts
+    def encode(self, examples: list[PairExample], encoder: PromptEncoder) -> list[Encoded]:
         if self.cfg.mode == "pairwise":
-            encoded = encoder.pairwise_many([(ex.criteria, ex.query, ex.conv_a, ex.conv_b)
-                                             for ex in examples])
-            kept = [(ex, ids) for ex, ids in zip(examples, encoded) if ids is not None]
-            rows = [ids for _, ids in kept]
-            labels = [ex.label for ex, _ in kept]
-        else:
-            pairs = [(ex.conv_a, ex.conv_b) if ex.label == LABEL_A else (ex.conv_b, ex.conv_a)
-                     for ex in examples]  # (chosen, rejected); ties were refused in __init__
-            encoded = encoder.pointwise_many([(ex.criteria, ex.query, conv) for ex, pair in
-                                              zip(examples, pairs) for conv in pair])
-            kept = [(ex, c, r) for ex, c, r in zip(examples, encoded[0::2], encoded[1::2])
-                    if c is not None and r is not None]
-            # One forward: chosen rows first, then their rejected rows in the same order.
-            rows = [c for _, c, _ in kept] + [r for _, _, r in kept]
-        keys = [k[0].key for k in kept]
+            fits = encoder.fit_pairwise([(ex.criteria, ex.query, ex.conv_a, ex.conv_b) for ex in examples])
+            return [Encoded(ex.key, (fit.ids,) if fit.ids is not None else None, ex.label, 1,
+                            int(fit.shortened)) for ex, fit in zip(examples, fits)]
+        pairs = [(ex.conv_a, ex.conv_b) if ex.label == LABEL_A else (ex.conv_b, ex.conv_a)
+                 for ex in examples]  # (chosen, rejected); ties were refused in __init__
+        fits = encoder.fit_pointwise([(ex.criteria, ex.query, conv) for ex, pair in zip(examples, pairs)
+                                      for conv in pair])
+        out = []
+        for ex, chosen, rejected in zip(examples, fits[0::2], fits[1::2]):
+            rows = (chosen.ids, rejected.ids) if chosen.ids is not None and rejected.ids is not None else None
+            out.append(Encoded(ex.key, rows, ex.label, 2, chosen.shortened + rejected.shortened))
+        return out
+
+    # -- batches (in the loader's process) ---------------------------------------------------------
+
+    def batches(self, chunks: Iterator[tuple[int, list[Encoded]]]) -> Iterator[dict]:
+        """Length-grouped batches from the encoded chunks of `__iter__`, from batch `skip` on.
+
+        A window's records are sorted by their encoded length (exact, not a byte estimate: the
+        padded width of a batch is its longest row) and cut into the window's batch sizes; the
+        batches of a window are then shuffled. This runs where all chunks meet, so each record is
+        tokenized once however many workers there are.
+        """
+        epoch, skip = self.epoch, self.skip
+        sizes = self.plan(epoch).sizes
+        window: list[Encoded] = []
+        for j, chunk in chunks:
+            window.extend(chunk)
+            last = min(self.window_start(j) + self.cfg.window_batches, len(sizes)) - 1
+            if j < last:
+                continue
+            first = self.window_start(j)
+            window.sort(key=Encoded.length)  # stable: equal lengths keep draw order
+            batches, i = [], 0
+            for size in sizes[first:last + 1]:
+                batches.append(window[i:i + size])
+                i += size
+            if self.cfg.shuffle:
+                random.Random(f"batches:{self.cfg.seed}:{epoch}:{self.rank}:{first}").shuffle(batches)
+            for index, batch in enumerate(batches, start=first):
+                if index >= skip:
+                    yield self.collate(batch, position=(epoch, index))
+            window = []
+
+    def collate(self, examples: list[Encoded], position) -> dict:
+        kept = [ex for ex in examples if ex.rows is not None]
+        if self.cfg.mode == "pairwise":
+            rows = [ex.rows[0] for ex in kept]
+        else:  # one forward: chosen rows first, then their rejected rows in the same order
+            rows = [ex.rows[0] for ex in kept] + [ex.rows[1] for ex in kept]
         batch = pad_rows(rows, self.tokenizer.pad_token_id)
         batch.update(
-            keys=keys,
+            keys=[ex.key for ex in kept],
             position=torch.tensor(position),
-            rendered=torch.tensor(stats.rendered),  # prompts (two per record when pointwise)
-            shortened=torch.tensor(stats.shortened),
-            dropped=torch.tensor(len(examples) - len(keys)),  # examples lost to the length policy
+            rendered=torch.tensor(sum(ex.rendered for ex in examples)),  # prompts (two per record when pointwise)
+            shortened=torch.tensor(sum(ex.shortened for ex in examples)),
+            dropped=torch.tensor(len(examples) - len(kept)),  # examples lost to the length policy
         )
         if self.cfg.mode == "pairwise":
-            batch["labels"] = torch.tensor(labels, dtype=torch.long)
+            batch["labels"] = torch.tensor([ex.label for ex in kept], dtype=torch.long)
         return batch
 
 
 def pad_rows(rows: list[list[int]], pad_id: int) -> dict:
     """Right-padded input_ids and attention_mask; the head reads each row's last real token."""
     width = max((len(r) for r in rows), default=1)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        attention_mask[i, :len(r)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    input_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    attention_mask = (torch.arange(width) < lengths[:, None]).long()
+    return {"input_ids": input_ids.reshape(len(rows), width), "attention_mask": attention_mask}
+
+
+def _as_is(chunk):
+    # The default (default_convert) walks every token id of a chunk looking for arrays to convert.
+    return chunk
 
 
 def _ignore_preemption_signals(worker_id: int) -> None:
@@ -214,10 +271,8 @@ class StreamLoader:
     `load_state_dict()` on resume because this object has both.
     """
 
-    def __init__(self, dataset: PairStream, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int | None = None):
-        self.dataset = dataset
-        self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
+    def __init__(self, dataset: PairStream, num_workers: int = 0):
+        self.dataset, self.num_workers = dataset, num_workers
         self.epoch = 0
         self.batches_done = 0  # batches of `epoch` handed out (or restored)
         if num_workers:
@@ -231,18 +286,21 @@ class StreamLoader:
     def __iter__(self) -> Iterator[dict]:
         epoch = self.dataset.epoch = self.epoch
         self.dataset.skip = self.batches_done
-        loader = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor,
-                            persistent_workers=False, worker_init_fn=_ignore_preemption_signals)
-        batches = iter(loader)
+        # Batches are formed from whole windows of chunks: let the workers run up to two windows
+        # ahead, so that the next window is encoded while this one trains.
+        prefetch = -(-2 * self.dataset.cfg.window_batches // self.num_workers) if self.num_workers else None
+        loader = DataLoader(self.dataset, batch_size=None, collate_fn=_as_is, num_workers=self.num_workers,
+                            prefetch_factor=prefetch, persistent_workers=False,
+                            worker_init_fn=_ignore_preemption_signals)
+        chunks = iter(loader)
         try:
-            for batch in batches:
+            for batch in self.dataset.batches(chunks):
                 self.batches_done += 1
                 yield batch
         finally:
             # On an error or an early stop, stop the workers now; left to the garbage collector,
             # each worker's join times out after seconds.
-            getattr(batches, "_shutdown_workers", lambda: None)()
+            getattr(chunks, "_shutdown_workers", lambda: None)()
         self.epoch, self.batches_done = epoch + 1, 0
 
     def mark_consumed(self, position) -> None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 import crm.cli.train
-from crm.data.stream import PairStream, pad_rows
+from crm.data.stream import PairStream, StreamLoader, pad_rows
 from crm.lit.datamodule import CRMDataModule
 
 WORLD = 2
@@ -54,9 +54,12 @@ class GlobalBatches:
         return len(self.streams[0])
 
     def __iter__(self):
+        loaders = []
         for stream in self.streams:
-            stream.epoch, stream.skip = self.epoch, 0
-        for batches in zip(*self.streams, strict=True):
+            loader = StreamLoader(stream)
+            loader.epoch = self.epoch
+            loaders.append(loader)
+        for batches in zip(*loaders, strict=True):
             yield concat_batches(list(batches), self.pad_id)
         self.epoch += 1
 
