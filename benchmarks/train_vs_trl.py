@@ -4,10 +4,15 @@ Same tiny Qwen3 architecture (configs/model/tiny.yaml) and initial weights, the 
 rendered to the same token ids (criteria + query + response, chosen and rejected), the same batch
 size, AdamW at the same lr. TRL gets the pairs pre-tokenized; crm streams and tokenizes them
 inside the timed loop, in-process (`--num-workers 1` moves tokenizing to a DataLoader worker:
-slower on 2 cores, where the worker takes a core from the two torch threads). Runs alternate (crm, TRL, crm, TRL, ...) so machine noise hits
-both alike; each run's first steps (warm-up) are not timed. Prints one JSON document: samples/s
-of each (median over rounds), their ratio, real-token fraction of each, and crm's pairwise
-samples/s on the same data.
+slower on 2 cores, where the worker takes a core from the two torch threads).
+
+Each run is its own process, as a user runs a trainer: runs that share a process inherit the
+previous runs' heap and library state (when this script ran them all in one process, TRL's first
+run made 80 samples/s and its later ones 100, crm's first 204 and its later ones 184 and 191).
+Runs alternate (crm, TRL, crm, TRL, ...) so machine noise hits both alike; each run's first steps
+(warm-up) are not timed.
+Prints one JSON document: samples/s of each (median over rounds), their ratio, real-token fraction
+of each, and crm's pairwise samples/s on the same data.
 
     python benchmarks/train_vs_trl.py [--steps 60] [--rounds 3] [--batch-size 32]
 """
@@ -17,6 +22,8 @@ import argparse
 import json
 import logging
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -25,6 +32,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from omegaconf import OmegaConf
+from transformers import AutoTokenizer
 
 from crm.data.manifest import load_manifest
 from crm.data.reader import iter_shard
@@ -138,6 +146,42 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
             "real_token_fraction": real / computed}
 
 
+def prepare(data_dir: str, args) -> None:
+    """Demo shards and the tiny model's tokenizer, shared by every run."""
+    tiny = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
+    write_demo(f"{data_dir}/raw", seed=0, n_train=args.n_train, n_test=10, n_bench=4)
+    shard([f"{data_dir}/raw/train.jsonl"], f"{data_dir}/shards", shard_size=1000)
+    manifest = load_manifest(f"{data_dir}/shards")
+    texts = (" ".join(r.a_criteria + r.b_criteria + tuple(m.content for m in r.model_a + r.model_b))
+             for r in (parse_train(o) for s in manifest.shards("train") for _, o in iter_shard(s.url)))
+    train_bpe_tokenizer(texts, tiny["vocab_size"]).save_pretrained(f"{data_dir}/tokenizer")
+
+
+def run_one(trainer: str, data_dir: str, args) -> dict:
+    """One timed run in this process: crm_pointwise, crm_pairwise or trl."""
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    tiny = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
+    tokenizer = AutoTokenizer.from_pretrained(f"{data_dir}/tokenizer", local_files_only=True)
+    arch = {**tiny["arch"], "vocab_size": len(tokenizer)}
+    if trainer == "trl":
+        rows = trl_pairs(load_manifest(f"{data_dir}/shards"), tokenizer, args)
+        with tempfile.TemporaryDirectory() as out_dir:
+            result = trl_run(rows, tokenizer, arch, out_dir, args)
+        return {**result, "pairs_available": len(rows), "arch": arch}
+    return crm_run(trainer.removeprefix("crm_"), f"{data_dir}/shards", tokenizer, arch, args)
+
+
+def in_subprocess(trainer: str, data_dir: str, args) -> dict:
+    command = [sys.executable, __file__, "--run", trainer, "--data", data_dir,
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--max-tokens", str(args.max_tokens), "--num-workers", str(args.num_workers)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{trainer} run failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60, help="steps per run (the first 5 untimed)")
@@ -147,33 +191,28 @@ def main() -> None:
     p.add_argument("--n-train", type=int, default=3000)
     p.add_argument("--num-workers", type=int, default=0,
                    help="crm's DataLoader workers (0: tokenize in-process)")
+    p.add_argument("--run", choices=["crm_pointwise", "crm_pairwise", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
+    if args.run:  # one run, in a process of its own (see the module docstring)
+        print(json.dumps(run_one(args.run, args.data, args)))
+        return
 
-    tiny = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
     with tempfile.TemporaryDirectory() as tmp:
-        write_demo(f"{tmp}/raw", seed=0, n_train=args.n_train, n_test=10, n_bench=4)
-        shard([f"{tmp}/raw/train.jsonl"], f"{tmp}/shards", shard_size=1000)
-        manifest = load_manifest(f"{tmp}/shards")
-        texts = (" ".join(r.a_criteria + r.b_criteria + tuple(m.content for m in r.model_a + r.model_b))
-                 for r in (parse_train(o) for s in manifest.shards("train") for _, o in iter_shard(s.url)))
-        tokenizer = train_bpe_tokenizer(texts, tiny["vocab_size"])
-        arch = {**tiny["arch"], "vocab_size": len(tokenizer)}
-        rows = trl_pairs(manifest, tokenizer, args)
-
+        prepare(tmp, args)
         ours, theirs = [], []
         for _ in range(args.rounds):
-            ours.append(crm_run("pointwise", f"{tmp}/shards", tokenizer, arch, args))
-            theirs.append(trl_run(rows, tokenizer, arch, f"{tmp}/trl", args))
-        pairwise = crm_run("pairwise", f"{tmp}/shards", tokenizer, arch, args)
+            ours.append(in_subprocess("crm_pointwise", tmp, args))
+            theirs.append(in_subprocess("trl", tmp, args))
+        pairwise = in_subprocess("crm_pairwise", tmp, args)
 
     median = lambda runs, k: round(statistics.median(r[k] for r in runs), 2)  # noqa: E731
     result = {
-        "setup": {"arch": arch, "batch_size": args.batch_size, "steps_per_run": args.steps,
-                  "timed_steps": args.steps - WARMUP_STEPS, "rounds": args.rounds,
-                  "pairs_available": len(rows), "torch_threads": torch.get_num_threads(),
-                  "crm_num_workers": args.num_workers},
+        "setup": {"arch": theirs[0]["arch"], "batch_size": args.batch_size,
+                  "steps_per_run": args.steps, "timed_steps": args.steps - WARMUP_STEPS,
+                  "rounds": args.rounds, "pairs_available": theirs[0]["pairs_available"],
+                  "torch_threads": torch.get_num_threads(), "crm_num_workers": args.num_workers,
+                  "process_per_run": True},
         "crm_pointwise": {"samples_per_s": median(ours, "samples_per_s"),
                           "real_token_fraction": median(ours, "real_token_fraction"),
                           "runs": [round(r["samples_per_s"], 2) for r in ours]},
