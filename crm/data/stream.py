@@ -134,8 +134,8 @@ class PairStream(IterableDataset):
     def chunks_of_records(self, epoch: int) -> Iterator[list[tuple[str, str, dict, int]]]:
         """The rank's records for `epoch`, in draw order, cut into the plan's batch sizes (chunks).
 
-        Every worker computes this; chunk j is the records that batch j's window draws, not batch
-        j itself: batches are formed from whole windows of encoded chunks (`batches`).
+        Every worker computes this. Chunk j is not batch j: batches are cut from whole windows of
+        encoded chunks, sorted by length (`batches`).
         """
         plan = self.plan(epoch)
         records = self._records(plan)
@@ -233,7 +233,7 @@ class PairStream(IterableDataset):
         batch.update(
             keys=[ex.key for ex in kept],
             position=torch.tensor(position),
-            rendered=torch.tensor(sum(ex.rendered for ex in examples)),  # prompts (two per record when pointwise)
+            rendered=torch.tensor(sum(ex.rendered for ex in examples)),  # two prompts per pointwise record
             shortened=torch.tensor(sum(ex.shortened for ex in examples)),
             dropped=torch.tensor(len(examples) - len(kept)),  # examples lost to the length policy
         )
