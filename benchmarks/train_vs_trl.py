@@ -146,9 +146,13 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
             "real_token_fraction": real / computed}
 
 
+def tiny_config() -> dict:
+    return OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
+
+
 def prepare(data_dir: str, args) -> None:
     """Demo shards and the tiny model's tokenizer, shared by every run."""
-    tiny = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
+    tiny = tiny_config()
     write_demo(f"{data_dir}/raw", seed=0, n_train=args.n_train, n_test=10, n_bench=4)
     shard([f"{data_dir}/raw/train.jsonl"], f"{data_dir}/shards", shard_size=1000)
     manifest = load_manifest(f"{data_dir}/shards")
@@ -161,9 +165,8 @@ def run_one(trainer: str, data_dir: str, args) -> dict:
     """One timed run in this process: crm_pointwise, crm_pairwise or trl."""
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
-    tiny = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
     tokenizer = AutoTokenizer.from_pretrained(f"{data_dir}/tokenizer", local_files_only=True)
-    arch = {**tiny["arch"], "vocab_size": len(tokenizer)}
+    arch = {**tiny_config()["arch"], "vocab_size": len(tokenizer)}
     if trainer == "trl":
         rows = trl_pairs(load_manifest(f"{data_dir}/shards"), tokenizer, args)
         with tempfile.TemporaryDirectory() as out_dir:

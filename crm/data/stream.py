@@ -43,8 +43,7 @@ class Encoded(NamedTuple):
     key: str
     rows: tuple[list[int], ...] | None  # pairwise: (ids,); pointwise: (chosen, rejected); None: dropped
     label: int
-    rendered: int  # prompts rendered for it
-    shortened: int  # of those, shortened by the length policy
+    shortened: int  # its prompts that the length policy shortened
 
     def length(self) -> float:
         """The sort key of length grouping: the longest row (dropped records sort last)."""
@@ -180,7 +179,7 @@ class PairStream(IterableDataset):
     def encode(self, examples: list[PairExample], encoder: PromptEncoder) -> list[Encoded]:
         if self.cfg.mode == "pairwise":
             fits = encoder.fit_pairwise([(ex.criteria, ex.query, ex.conv_a, ex.conv_b) for ex in examples])
-            return [Encoded(ex.key, (fit.ids,) if fit.ids is not None else None, ex.label, 1,
+            return [Encoded(ex.key, (fit.ids,) if fit.ids is not None else None, ex.label,
                             int(fit.shortened)) for ex, fit in zip(examples, fits)]
         pairs = [(ex.conv_a, ex.conv_b) if ex.label == LABEL_A else (ex.conv_b, ex.conv_a)
                  for ex in examples]  # (chosen, rejected); ties were refused in __init__
@@ -189,7 +188,7 @@ class PairStream(IterableDataset):
         out = []
         for ex, chosen, rejected in zip(examples, fits[0::2], fits[1::2]):
             rows = (chosen.ids, rejected.ids) if chosen.ids is not None and rejected.ids is not None else None
-            out.append(Encoded(ex.key, rows, ex.label, 2, chosen.shortened + rejected.shortened))
+            out.append(Encoded(ex.key, rows, ex.label, chosen.shortened + rejected.shortened))
         return out
 
     # -- batches (in the loader's process) ---------------------------------------------------------
@@ -225,6 +224,7 @@ class PairStream(IterableDataset):
 
     def collate(self, examples: list[Encoded], position) -> dict:
         kept = [ex for ex in examples if ex.rows is not None]
+        prompts_per_record = 1 if self.cfg.mode == "pairwise" else 2
         if self.cfg.mode == "pairwise":
             rows = [ex.rows[0] for ex in kept]
         else:  # one forward: chosen rows first, then their rejected rows in the same order
@@ -233,7 +233,7 @@ class PairStream(IterableDataset):
         batch.update(
             keys=[ex.key for ex in kept],
             position=torch.tensor(position),
-            rendered=torch.tensor(sum(ex.rendered for ex in examples)),  # two prompts per pointwise record
+            rendered=torch.tensor(len(examples) * prompts_per_record),
             shortened=torch.tensor(sum(ex.shortened for ex in examples)),
             dropped=torch.tensor(len(examples) - len(kept)),  # examples lost to the length policy
         )
@@ -264,7 +264,8 @@ def _ignore_preemption_signals(worker_id: int) -> None:
 
 
 class StreamLoader:
-    """A DataLoader over a PairStream that knows its epoch and position, for mid-epoch resume.
+    """A DataLoader over a PairStream's encoded chunks, batched by `PairStream.batches`, that knows
+    its epoch and position, for mid-epoch resume.
 
     Workers are re-created each epoch (never persistent) so that each epoch's workers receive the
     current epoch and skip. Lightning saves `state_dict()` in checkpoints and calls
@@ -288,7 +289,9 @@ class StreamLoader:
         self.dataset.skip = self.batches_done
         # Batches are formed from whole windows of chunks: let the workers run up to two windows
         # ahead, so that the next window is encoded while this one trains.
-        prefetch = -(-2 * self.dataset.cfg.window_batches // self.num_workers) if self.num_workers else None
+        prefetch = None
+        if self.num_workers:
+            prefetch = math.ceil(2 * self.dataset.cfg.window_batches / self.num_workers)
         loader = DataLoader(self.dataset, batch_size=None, collate_fn=_as_is, num_workers=self.num_workers,
                             prefetch_factor=prefetch, persistent_workers=False,
                             worker_init_fn=_ignore_preemption_signals)
