@@ -20,8 +20,8 @@ from crm.data.stream import PairStream, StreamConfig, StreamLoader
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.records import read_lines
 from crm.transforms import TransformConfig
-from data_tools.demo import write_demo
-from data_tools.shard import shard
+from crm.data.demo import write_demo
+from crm.data.shard import shard
 
 
 def training_texts(path: str):

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_tools.shard import shard
+from crm.data.shard import shard
 
 BLIND = ["General user preference"]
 BIN = Path(sys.executable).parent

@@ -33,7 +33,7 @@ from crm.models.tokenizer import train_bpe_tokenizer
 from crm.prompts import PromptTemplate
 from crm.records import read_lines
 from crm.scoring import CRMScorer
-from data_tools.demo import BENCH_BASELINE, TRAIN_WORDINGS, write_demo
+from crm.data.demo import BENCH_BASELINE, TRAIN_WORDINGS, write_demo
 
 CRITERIA = {
     "1 line": [TRAIN_WORDINGS["detailed"][1]],

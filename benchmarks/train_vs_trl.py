@@ -44,8 +44,8 @@ from crm.models.tokenizer import train_bpe_tokenizer
 from crm.prompts import PromptEncoder, PromptTemplate
 from crm.records import parse_train
 from crm.transforms import LABEL_A, TransformConfig, record_rng, train_example
-from data_tools.demo import write_demo
-from data_tools.shard import shard
+from crm.data.demo import write_demo
+from crm.data.shard import shard
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WARMUP_STEPS = 5

@@ -9,7 +9,7 @@ from crm.records import FORMATS, read_lines
 
 
 def _demo(args) -> int:
-    from data_tools.demo import write_demo
+    from crm.data.demo import write_demo
 
     written = write_demo(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test,
                          n_bench=args.n_bench)
@@ -31,7 +31,7 @@ def _validate(args) -> int:
 
 
 def _shard(args) -> int:
-    from data_tools.shard import shard
+    from crm.data.shard import shard
 
     manifest = shard(args.files, args.out_dir, val_fraction=args.val_fraction,
                      shard_size=args.shard_size, seed=args.seed)

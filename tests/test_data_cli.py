@@ -19,7 +19,7 @@ from crm.data.manifest import load_manifest
 from crm.data.reader import iter_shard
 from crm.records import PREFERENCES
 from data_tools.cli import main
-from data_tools.shard import assign_split
+from crm.data.shard import assign_split
 
 # ---------------------------------------------------------------------------------------------
 # hand-made inputs

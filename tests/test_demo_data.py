@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from crm.records import load_records, read_lines
-from data_tools import demo
+from crm.data import demo
 
 FILES = {"train.jsonl": "train", "test/in_distribution.jsonl": "test",
          "test/heldout_topics.jsonl": "test", "test/heldout_wordings.jsonl": "test",
@@ -104,7 +104,7 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
 
 def test_independent_of_hash_seed(tmp_path):
     # string hashing is salted per process: a set iterated anywhere would change the output
-    script = "import sys; from data_tools.demo import write_demo; write_demo(sys.argv[1], 3, 40, 10, 5)"
+    script = "import sys; from crm.data.demo import write_demo; write_demo(sys.argv[1], 3, 40, 10, 5)"
     for name, hash_seed in (("a", "1"), ("b", "2")):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
         subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env, check=True)

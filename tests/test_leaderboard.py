@@ -214,7 +214,7 @@ def test_a_pointwise_model_scores_each_baseline_response_once(tmp_path):
 def test_the_demo_benchmark_reverses_under_contradictory_length_criteria(tmp_path):
     """With a judge that follows the criteria (here: word counts), "detailed" and "concise" rank
     the demo's models in opposite orders: what a trained CRM should reproduce in `make demo`."""
-    from data_tools.demo import BENCH_BASELINE, BENCH_MODELS, write_demo
+    from crm.data.demo import BENCH_BASELINE, BENCH_MODELS, write_demo
 
     class LengthJudge(StubScorer):
         def pair_probabilities(self, examples, unfit="raise", both_orders=False):

@@ -23,7 +23,7 @@ from crm.data.stream import PairStream, StreamConfig, StreamLoader
 from crm.prompts import PromptEncoder
 from crm.records import parse_train
 from crm.transforms import LABEL_A, LABEL_B, LABEL_TIE, LABELS, TransformConfig, record_rng, train_example
-from data_tools.shard import shard
+from crm.data.shard import shard
 from helpers import make_records, split_sizes, tiny_tokenizer, train_dict, write_shard_dir, write_tar
 
 TOK = tiny_tokenizer()

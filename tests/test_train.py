@@ -174,7 +174,7 @@ def test_every_loss_noise_direction_trains(loss, noise, direction, demo_root, tm
 
 
 def test_user_shards_train(tmp_path):
-    from data_tools.shard import shard
+    from crm.data.shard import shard
     from helpers import make_records
 
     source = tmp_path / "train.jsonl"

@@ -60,8 +60,8 @@ def _prepare_demo(data: DictConfig, shard_dir: Path) -> None:
     # A cache from an older demo (fewer test files) is regenerated, not trained on and then failed.
     complete = (shard_dir / "manifest.json").is_file() and all(Path(f).is_file() for f in data.test_files)
     if not complete:
-        from data_tools.demo import write_demo  # noqa: the demo's own generator
-        from data_tools.shard import shard
+        from crm.data.demo import write_demo
+        from crm.data.shard import shard
 
         raw = Path(data.demo.out_dir) / "raw"
         log.info("generating the demo data into %s", raw)

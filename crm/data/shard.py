@@ -1,4 +1,4 @@
-"""`crm-data shard`: validated JSONL -> tar shards of raw JSON records + manifest.json + rejects.jsonl.
+"""Validated JSONL -> tar shards of raw JSON records + manifest.json + rejects.jsonl (`crm-data shard`).
 
 Nothing is lost silently: every non-blank line read is either written to a shard or written to
 rejects.jsonl with its file, line, field and reason, and the manifest counts both, per split.
