@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 from crm.cli.common import write_json
 from crm.cli.eval import load_scorer, model_shorthand
-from crm.leaderboard import leaderboard, markdown, plot, select
+from crm.leaderboard import leaderboard, select
+from crm.leaderboard_render import markdown, plot
 
 log = logging.getLogger("crm.leaderboard")
 
