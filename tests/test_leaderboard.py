@@ -14,7 +14,8 @@ from scorers import export_tiny, run_cli, tiny_scorer
 
 from crm.cli.leaderboard import run
 from crm.leaderboard import (DEFAULT_CRITERIA, LOSS, TIE, WIN, Outcome, judge, kendall_tau,
-                             leaderboard, markdown, plot, select, win_rates)
+                             leaderboard, select, win_rates)
+from crm.leaderboard_render import markdown, plot
 from crm.transforms import LABEL_B
 
 
