@@ -10,6 +10,7 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
+from crm.files import write_json
 from crm.transforms import CriteriaPool
 
 FORMAT = "crm-shards"
@@ -73,9 +74,5 @@ def _resolve(root: str, url: str) -> str:
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest}
-    path = Path(out_dir) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)  # a reader never sees half a manifest
-    return path
+    return write_json(Path(out_dir) / MANIFEST,
+                      {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest})

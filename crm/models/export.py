@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from crm.files import write_json
 from crm.prompts import PromptTemplate
 
 FORMAT_VERSION = 1
@@ -21,19 +22,18 @@ LABEL_NAMES = {1: ["reward"], 2: ["model_a", "model_b"], 3: ["model_a", "model_b
 
 
 def export_crm(model, tokenizer, out_dir: str | Path, *, kind: str, template: PromptTemplate,
-               max_tokens: int, extra: dict | None = None, state_dict: dict | None = None) -> Path:
-    """Write `model` (a Qwen3ForSequenceClassification) to `out_dir`; `state_dict` overrides its
-    weights (a consolidated checkpoint)."""
+               max_tokens: int, extra: dict | None = None) -> Path:
+    """Write `model` (a Qwen3ForSequenceClassification) to `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = LABEL_NAMES[model.config.num_labels]
     model.config.id2label = dict(enumerate(names))
     model.config.label2id = {n: i for i, n in enumerate(names)}
-    model.save_pretrained(out, state_dict=state_dict)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     meta = {"format_version": FORMAT_VERSION, "kind": kind, "labels": names,
             "template": asdict(template), "max_tokens": max_tokens, **(extra or {})}
-    (out / META).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(out / META, meta)
     return out
 
 
