@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_tokenizer
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from crm.data.stream import pad_rows
+from crm.padding import pad_rows
 from crm.models.backbone import ARCHITECTURES, build_classifier, choose_attention, count_parameters
 from crm.models.crm import PairwiseCRM, PointwiseCRM, last_token_logits
 from crm.models.export import export_crm, load_export, read_meta

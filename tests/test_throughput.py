@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 
-from crm.data.stream import pad_rows
+from crm.padding import pad_rows
 from crm.flops import ModelShape, flops_per_token
 from crm.lit.module import CRMModule, OptimConfig
 from crm.lit.throughput import Throughput

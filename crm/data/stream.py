@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from crm.data.manifest import ShardInfo
 from crm.data.plan import RankPlan, plan_rank
 from crm.data.reader import ShardError, iter_shard_raw, load_member
+from crm.padding import pad_rows
 from crm.prompts import PromptEncoder, PromptTemplate
 from crm.records import RecordError, TrainRecord, parse_train
 from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, record_rng,
@@ -224,7 +225,6 @@ class PairStream(IterableDataset):
 
     def collate(self, examples: list[Encoded], position) -> dict:
         kept = [ex for ex in examples if ex.rows is not None]
-        prompts_per_record = 1 if self.cfg.mode == "pairwise" else 2
         if self.cfg.mode == "pairwise":
             rows = [ex.rows[0] for ex in kept]
         else:  # one forward: chosen rows first, then their rejected rows in the same order
@@ -233,22 +233,12 @@ class PairStream(IterableDataset):
         batch.update(
             keys=[ex.key for ex in kept],
             position=torch.tensor(position),
-            rendered=torch.tensor(len(examples) * prompts_per_record),
             shortened=torch.tensor(sum(ex.shortened for ex in examples)),
             dropped=torch.tensor(len(examples) - len(kept)),  # examples lost to the length policy
         )
         if self.cfg.mode == "pairwise":
             batch["labels"] = torch.tensor([ex.label for ex in kept], dtype=torch.long)
         return batch
-
-
-def pad_rows(rows: list[list[int]], pad_id: int) -> dict:
-    """Right-padded input_ids and attention_mask; the head reads each row's last real token."""
-    width = max((len(r) for r in rows), default=1)
-    input_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    attention_mask = (torch.arange(width) < lengths[:, None]).long()
-    return {"input_ids": input_ids.reshape(len(rows), width), "attention_mask": attention_mask}
 
 
 def _as_is(chunk):

@@ -20,9 +20,12 @@ def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     # nothing the head reads. Without it sdpa takes its fused causal kernel instead of
     # materialising a 4D mask. use_cache=False: a training or scoring forward needs no KV cache.
     hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
-    last = lengths - 1
-    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    return model.score(pooled)
+    return head_at(model, hidden, lengths - 1)
+
+
+def head_at(model: nn.Module, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The classification head on each row's hidden state at position `last` (its last real token)."""
+    return model.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
 
 
 class PairwiseCRM(nn.Module):
