@@ -9,47 +9,31 @@ kept, and only each candidate's tokens (its response and the template's tail) ru
   right before conversation B; otherwise examples that share criteria and query (the swapped order
   of a leaderboard, or the responses of a pointwise model to one query) are split right before
   their first conversation. A group of rows takes the prefix path only when that saves at least
-  PREFIX_MIN_SAVING of its tokens: the N + 1 responses of a pointwise leaderboard query do, the two
+  crm.prefix_reuse.PREFIX_MIN_SAVING of its tokens: the N + 1 responses of a pointwise leaderboard query do, the two
   responses of a pointwise test pair usually do not. Everything else takes the plain path.
-- Same tokens, same score: the prefix text is tokenized alone, and a row is only scored from the
-  prefix when its own ids (the whole prompt, as the plain path tokenizes it) start with exactly
-  those ids; its suffix is the rest of its own ids, so the model reads the plain path's tokens.
-  The split follows the newline that ends a slot header, where byte-level pre-tokenizers split
-  before a word; a response that starts with whitespace or newlines can merge with that newline,
-  and a prompt the length policy shortened differs earlier. Such rows take the plain path;
-  `counts` says how many did (split_mismatch, prefix_declined, prefix_sequences).
-- Batches: the prefixes of up to `batch_size` groups run as one right-padded batch; then each
-  group's rows run in batches of `batch_size`, each row over its own group's cached keys/values,
-  with the prefix's padding masked and position ids continuing from the prefix's real length.
-  The head reads each row's last real token, as on the plain path. Scores equal the plain path's to
-  float rounding (tests: 1e-4 in float32; bf16 on a GPU rounds differently, as any batch change does).
+- How: crm.prefix_reuse runs each shared prefix once and only the rows' suffixes over its cached
+  keys and values; a row whose tokens differ at the split, or a group that would save too little,
+  takes the plain path. `counts` says how many did (split_mismatch, prefix_declined,
+  prefix_sequences).
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
-from crm.data.stream import pad_rows
 from crm.models.crm import last_token_logits
 from crm.models.export import META, load_export
+from crm.padding import pad_rows
+from crm.prefix_reuse import prefix_logits
 from crm.prompts import PromptEncoder, PromptTemplate
 from crm.records import Conversation, Message
 from crm.transforms import PairExample, swap
 
 SENTINEL = "\x00crm-slot\x00"  # stands for the conversation where a prompt is split
-LIGHTNING_PREFIX = "crm.model."  # where a crm-train checkpoint keeps the HF model's weights
-# The prefix path costs a copy of the cached keys/values per row, attention with an explicit mask
-# and padding in two places: a group takes it only when it saves at least this share of its tokens
-# (on CPU, a pointwise test pair, criteria + query shared by two responses, saves a quarter of its
-# tokens yet ran 15-40% slower, its two-row groups padding worse than length-sorted batches; a
-# leaderboard query with 8 candidates saves about 55% and ran 1.5-2.3x faster,
-# benchmarks/leaderboard_prefix.py).
-PREFIX_MIN_SAVING = 1 / 3
 
 
 def default_device_dtype() -> tuple[torch.device, torch.dtype]:
@@ -110,22 +94,26 @@ class CRMScorer:
         self.num_labels = model.config.num_labels
         self.prefix_reuse = prefix_reuse
         self.progress = progress
-        # sequences scored, of which from a shared prefix; prefix rows that fell back to the plain
-        # path (tokens differ at the split); tokens in the prompts, and tokens the model computed.
+        # A running total over the scorer's life, not per call: a leaderboard is several calls
+        # (each criteria set, each order) and reports their sum; clear() it to start over.
+        # Sequences scored, of which from a shared prefix; prefix rows that fell back to the plain
+        # path (tokens differ at the split) or were declined; tokens in the prompts, and tokens
+        # the model computed (padding included in padded_tokens).
         self.counts = Counter()
 
     # -- loading ---------------------------------------------------------------------------------
 
     @classmethod
     def load(cls, path: str | Path, **kwargs) -> "CRMScorer":
-        """An export directory (with crm.json), or a crm-train checkpoint (.ckpt) of a run whose
-        export holds the architecture, tokenizer and template."""
+        """An export directory (with crm.json), or any checkpoint crm-train writes (a .ckpt file
+        or an FSDP sharded dir): a checkpoint carries its tokenizer and template."""
         path = Path(path)
-        if path.is_dir():
+        if (path / META).is_file():
             return cls.from_export(path, **kwargs)
-        if path.suffix == ".ckpt" and path.is_file():
+        if path.exists():
             return cls.from_checkpoint(path, **kwargs)
-        raise FileNotFoundError(f"{path}: neither an export directory ({META}) nor a .ckpt file")
+        raise FileNotFoundError(f"{path}: neither an export directory ({META}) nor a checkpoint "
+                                "(a .ckpt file or a sharded checkpoint dir)")
 
     @classmethod
     def from_export(cls, export_dir: str | Path, batch_size: int = 16, device=None, dtype=None,
@@ -137,26 +125,16 @@ class CRMScorer:
                    **kwargs)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path, export_dir: str | Path | None = None,
+    def from_checkpoint(cls, checkpoint: str | Path, batch_size: int = 16, device=None, dtype=None,
                         **kwargs) -> "CRMScorer":
-        """The weights of a crm-train checkpoint (e.g. last.ckpt rather than the exported best).
+        """The weights of a crm-train checkpoint (e.g. last.ckpt rather than the exported best)."""
+        from crm.checkpoint import load_crm
 
-        `export_dir` defaults to the run's own export (RUN/checkpoints/X.ckpt -> RUN/export).
-        """
-        checkpoint = Path(checkpoint)
-        export_dir = Path(export_dir) if export_dir else checkpoint.parent.parent / "export"
-        scorer = cls.from_export(export_dir, **kwargs)
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
-        state = {k[len(LIGHTNING_PREFIX):]: v for k, v in saved.items()
-                 if k.startswith(LIGHTNING_PREFIX)}
-        if not state:
-            raise ValueError(f"{checkpoint}: no '{LIGHTNING_PREFIX}*' weights (not a crm-train "
-                             "checkpoint, or a sharded one: export it first)")
-        missing, unexpected = scorer.model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{checkpoint} does not match {export_dir}: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
-        return scorer
+        auto_device, auto_dtype = default_device_dtype()
+        crm, _ = load_crm(checkpoint, dtype=dtype or auto_dtype)
+        crm.model.to(device or auto_device)
+        return cls(crm.model, crm.tokenizer, crm.template, crm.kind, crm.max_tokens, batch_size,
+                   **kwargs)
 
     # -- the public API --------------------------------------------------------------------------
 
@@ -274,48 +252,21 @@ class CRMScorer:
     def _logits(self, rows: list[_Row]) -> torch.Tensor:
         """Logits for rows: the shared-prefix ones from cached prefixes, the others plainly."""
         out = torch.empty(len(rows), max(self.num_labels, 1))
-        groups = self._prefix_groups(rows)
-        in_groups = {i for members in groups.values() for i in members}
-        plain = [i for i in range(len(rows)) if i not in in_groups]
         bar = _progress(len(rows), self.progress)
+        shared = {}
+        if any(r.prefix_text is not None for r in rows):
+            shared = prefix_logits(self.model, self.tokenizer, [r.ids for r in rows],
+                                   [r.prefix_text for r in rows], batch_size=self.batch_size,
+                                   device=self.device, counts=self.counts, bar=bar)
+        plain = [i for i in range(len(rows)) if i not in shared]
         if plain:
             out[plain] = self._plain_logits([rows[i].ids for i in plain], bar)
-        if groups:
-            prefixes = sorted(groups, key=len)  # similar lengths together: less padding in the cache
-            for start in range(0, len(prefixes), self.batch_size):
-                chunk = prefixes[start:start + self.batch_size]
-                members = [groups[p] for p in chunk]
-                suffixes = [[rows[i].ids[len(p):] for i in m] for p, m in zip(chunk, members)]
-                logits = self._prefix_logits([list(p) for p in chunk], suffixes, bar)
-                for m, g in zip(members, logits):
-                    out[m] = g
+        if shared:
+            out[list(shared)] = torch.stack(list(shared.values()))
         bar.close()
         self.counts["sequences"] += len(rows)
         self.counts["prompt_tokens"] += sum(len(r.ids) for r in rows)
         return out
-
-    def _prefix_groups(self, rows: list[_Row]) -> dict[tuple, list[int]]:
-        """{prefix ids: row indices} for rows whose ids start with their prefix's ids."""
-        split = [i for i, r in enumerate(rows) if r.prefix_text is not None]
-        if not split:
-            return {}
-        texts = list(dict.fromkeys(rows[i].prefix_text for i in split))
-        prefix_ids = dict(zip(texts, self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i in split:
-            prefix, ids = prefix_ids[rows[i].prefix_text], rows[i].ids
-            if len(prefix) < len(ids) and ids[:len(prefix)] == prefix:
-                groups[tuple(prefix)].append(i)
-            else:
-                self.counts["split_mismatch"] += 1
-        kept = {}
-        for prefix, members in groups.items():
-            saved = (len(members) - 1) * len(prefix)
-            if saved >= PREFIX_MIN_SAVING * sum(len(rows[i].ids) for i in members):
-                kept[prefix] = members
-            else:
-                self.counts["prefix_declined"] += len(members)
-        return kept
 
     @torch.inference_mode()
     def _plain_logits(self, rows: list[list[int]], bar) -> torch.Tensor:
@@ -331,50 +282,6 @@ class CRMScorer:
             self.counts["computed_tokens"] += int(batch["attention_mask"].sum())
             self.counts["padded_tokens"] += batch["input_ids"].numel()
             bar.update(len(index))
-        return out
-
-    @torch.inference_mode()
-    def _prefix_logits(self, prefixes: list[list[int]], suffixes: list[list[list[int]]],
-                       bar) -> list[torch.Tensor]:
-        """Per prefix, the logits of its suffixes (each continues that prefix)."""
-        pad = self.tokenizer.pad_token_id
-        backbone = self.model.model
-        batch = pad_rows(prefixes, pad)
-        prefix_mask = batch["attention_mask"].to(self.device)
-        cache = backbone(input_ids=batch["input_ids"].to(self.device), attention_mask=prefix_mask,
-                         use_cache=True).past_key_values
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self.counts["computed_tokens"] += int(prefix_mask.sum())
-        self.counts["padded_tokens"] += prefix_mask.numel()
-        lengths = prefix_mask.sum(dim=1)
-
-        rows = [(g, s) for g, group in enumerate(suffixes) for s in group]
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]))
-        flat = torch.empty(len(rows), max(self.num_labels, 1))
-        for start in range(0, len(order), self.batch_size):
-            index = order[start:start + self.batch_size]
-            group = torch.tensor([rows[i][0] for i in index], device=self.device)
-            part = pad_rows([rows[i][1] for i in index], pad)
-            suffix_mask = part["attention_mask"].to(self.device)
-            width = suffix_mask.shape[1]
-            rows_cache = DynamicCache([(k[group], v[group]) for k, v in kv],
-                                      config=self.model.config)
-            hidden = backbone(
-                input_ids=part["input_ids"].to(self.device),
-                attention_mask=torch.cat([prefix_mask[group], suffix_mask], dim=1),
-                position_ids=lengths[group, None] + torch.arange(width, device=self.device),
-                past_key_values=rows_cache, use_cache=True).last_hidden_state
-            last = suffix_mask.sum(dim=1) - 1
-            pooled = hidden[torch.arange(len(index), device=self.device), last]
-            flat[index] = self.model.score(pooled).float().cpu()
-            self.counts["computed_tokens"] += int(suffix_mask.sum())
-            self.counts["padded_tokens"] += suffix_mask.numel()
-            self.counts["prefix_sequences"] += len(index)
-            bar.update(len(index))
-        out, i = [], 0
-        for group in suffixes:
-            out.append(flat[i:i + len(group)])
-            i += len(group)
         return out
 
 

@@ -127,8 +127,9 @@ def test_prompts_shortened_by_the_length_policy():
     base = answer("alpha reply " * 15)
     examples = [PairExample(str(i), CRITERIA, "question", base, answer(text), 0) for i, text in
                 enumerate(["beta reply", "the answer", "beta reply " * 150])]
+    fits = scorer.encoder.fit_pairwise([(e.criteria, e.query, e.conv_a, e.conv_b) for e in examples])
+    assert [f.shortened for f in fits] == [False, False, True]
     plain, reused = both_paths(scorer, examples)
-    assert scorer.encoder.stats.shortened >= 1
     assert scorer.counts["split_mismatch"] == 1 and scorer.counts["prefix_sequences"] == 2
     torch.testing.assert_close(reused, plain, atol=1e-4, rtol=0)
 
@@ -183,15 +184,22 @@ def test_load_an_export_and_a_training_checkpoint(tmp_path):
                                scorer.pair_probabilities(examples))
     assert loaded.device.type == "cpu" and next(loaded.model.parameters()).dtype == torch.float32
 
-    # a crm-train checkpoint: the HF model's weights under "crm.model."; its run's export gives
-    # the architecture, tokenizer and template
+    # a crm-train checkpoint: the HF model's weights under "crm.model.", and its card (tokenizer,
+    # config, template), so that it scores with nothing beside it
+    from crm.checkpoint import describe
+
     other = tiny_scorer(seed=1)
-    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt = tmp_path / "elsewhere" / "last.ckpt"
     ckpt.parent.mkdir()
     torch.save({"state_dict": {f"crm.model.{k}": v for k, v in other.model.state_dict().items()},
-                "global_step": 3}, ckpt)
+                "global_step": 3, "crm_card": describe(other.model, other.tokenizer, kind="pairwise",
+                                                       template=other.template, max_tokens=1000)},
+               ckpt)
     from_ckpt = CRMScorer.load(ckpt, device=torch.device("cpu"), dtype=torch.float32)
     torch.testing.assert_close(from_ckpt.pair_probabilities(examples),
                                other.pair_probabilities(examples))
     with pytest.raises(FileNotFoundError, match="neither an export directory"):
         CRMScorer.load(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="no crm_card in the checkpoint"):
+        torch.save({"state_dict": {}, "global_step": 0}, ckpt)
+        CRMScorer.load(ckpt)

@@ -1,4 +1,5 @@
-"""Callbacks: export of the best model as a HF directory."""
+"""Callbacks of a crm-train run: the card in every checkpoint, the export of the best model at the
+end, and the per-rank memory report."""
 from __future__ import annotations
 
 import logging
@@ -7,50 +8,35 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from crm.checkpoint import CARD, build_from_card, describe, export_checkpoint
 from crm.models.export import export_crm
 
 log = logging.getLogger(__name__)
-PREFIX = "crm.model."
 
 
-def load_checkpoint_file(path: str | Path) -> dict:
-    """A Lightning checkpoint as one dict: a single file, or a sharded (FSDP) dir consolidated.
+class CheckpointCard(L.Callback):
+    """Puts the CRM's card (crm.checkpoint.describe: tokenizer files, HF config, template, kind)
+    into every checkpoint, so that a checkpoint alone exports and scores."""
 
-    Tensors only (weights_only=True); a sharded dir's weights are read with torch's distributed
-    checkpoint reader, without a process group, and its metadata from Lightning's meta.pt.
-    """
-    path = Path(path)
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    def __init__(self, tokenizer, *, kind: str, template, max_tokens: int):
+        self.tokenizer, self.kind, self.template, self.max_tokens = tokenizer, kind, template, max_tokens
+        self._card: dict | None = None
 
-    # What torch's dcp_to_torch_save does, for the weights only and in memory: no_dist lets one
-    # rank read every shard while the others wait.
-    weights: dict = {}
-    _load_state_dict(weights, storage_reader=FileSystemReader(str(path)),
-                     planner=_EmptyStateDictLoadPlanner(keys={"state_dict"}), no_dist=True)
-    checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-    checkpoint["state_dict"] = weights["state_dict"]
-    return checkpoint
+    def card(self, pl_module) -> dict:
+        if self._card is None:
+            self._card = describe(pl_module.crm.model, self.tokenizer, kind=self.kind,
+                                  template=self.template, max_tokens=self.max_tokens)
+        return self._card
 
-
-def model_state_from_checkpoint(path: str | Path) -> tuple[dict, int]:
-    """(the HF model's weights, the step) from a Lightning checkpoint, file or sharded dir."""
-    checkpoint = load_checkpoint_file(path)
-    state = checkpoint["state_dict"]
-    return {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}, checkpoint["global_step"]
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[CARD] = self.card(pl_module)
 
 
 class ExportBest(L.Callback):
     """At the end of fit, writes the best checkpoint's model (or the final one) to `out_dir`."""
 
-    def __init__(self, out_dir: str | Path, tokenizer, *, kind: str, template, max_tokens: int,
-                 extra: dict | None = None, preemption=None):
-        self.out_dir, self.tokenizer, self.kind = Path(out_dir), tokenizer, kind
-        self.template, self.max_tokens, self.extra = template, max_tokens, extra or {}
-        self.preemption = preemption
+    def __init__(self, out_dir: str | Path, card: CheckpointCard, preemption=None):
+        self.out_dir, self.card, self.preemption = Path(out_dir), card, preemption
 
     def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
         if self.preemption is not None and self.preemption.preempted:
@@ -62,15 +48,16 @@ class ExportBest(L.Callback):
             final = full_model_state(pl_module)
         if not trainer.is_global_zero:
             return
-        state, step = model_state_from_checkpoint(best) if best else (final, trainer.global_step)
-        # A fresh unsharded model receives the weights: the trained one may be FSDP-sharded.
-        model = pl_module.build_crm().model
-        model.load_state_dict(state)
-        source = best or "final weights (no validation checkpoint)"
-        log.info("exporting %s to %s", source, self.out_dir)
-        export_crm(model, self.tokenizer, self.out_dir, kind=self.kind, template=self.template,
-                   max_tokens=self.max_tokens,
-                   extra={"source": str(source), "global_step": step, **self.extra})
+        log.info("exporting %s to %s", best or "the final weights (no validation checkpoint)",
+                 self.out_dir)
+        if best:
+            export_checkpoint(best, self.out_dir)
+            return
+        crm = build_from_card(self.card.card(pl_module), final)
+        export_crm(crm.model, crm.tokenizer, self.out_dir, kind=crm.kind, template=crm.template,
+                   max_tokens=crm.max_tokens,
+                   extra={"source": "final weights (no validation checkpoint)",
+                          "global_step": trainer.global_step, "config": pl_module.run_config})
 
 
 def full_model_state(pl_module) -> dict:
