@@ -29,10 +29,14 @@ def read_runs(sweep_dir: str | Path) -> tuple[list[Run], list[str]]:
             skipped.append(f"{run_dir}: no metrics.json (failed or still running)")
             continue
         items = yaml.safe_load(overrides_file.read_text()) or []
-        overrides = dict(item.lstrip("+~").split("=", 1) for item in items if "=" in item)
-        runs.append(Run(run_dir, overrides, json.loads(metrics_file.read_text())))
+        runs.append(Run(run_dir, parse_overrides(items), json.loads(metrics_file.read_text())))
     runs.sort(key=lambda r: _job_number(r.path))
     return runs, skipped
+
+
+def parse_overrides(items) -> dict:
+    """Hydra override strings (`key=value`, `+key=value`, ...) as {key: value}."""
+    return dict(item.lstrip("+~").split("=", 1) for item in items if "=" in item)
 
 
 def _job_number(path: Path):
@@ -72,7 +76,9 @@ def table(runs: list[Run]) -> tuple[list[str], list[list]]:
 
 
 def markdown(header: list[str], rows: list[list]) -> str:
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    def fmt(v) -> str:
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"

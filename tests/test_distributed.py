@@ -27,12 +27,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from crm.cli.common import prepare_data, resolve_resume
+from crm.checkpoint import load_checkpoint, model_weights, resolve_resume
+from crm.data.demo import prepare_demo
 from crm.data.manifest import load_manifest
 from crm.parallel import SHARDED_META, is_complete_checkpoint
 
-# The subprocess tests are marked slow (make test-all): 13 runs, about 5 minutes on the busy 2-core
-# machine. The in-process tests of resume auto and the csv history run by default.
+# The subprocess tests are marked slow (13 runs, about 5 minutes on the busy 2-core machine):
+# `make test` runs them too, `-m 'not slow'` leaves them out.
 slow = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
@@ -214,7 +215,7 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("crm_dist")
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=[*DEMO, f"paths.root_dir={root}"])
-    manifest = load_manifest(prepare_data(cfg.data))
+    manifest = load_manifest(prepare_demo(cfg.data.path, **cfg.data.demo))
     eligible = {split: sum(s.eligible(keep_ties=False) for s in manifest.shards(split))
                 for split in ("train", "val")}
     assert eligible == {"train": TRAIN_RECORDS, "val": 16}, eligible  # see DEMO
@@ -329,11 +330,10 @@ def assert_export_holds(export_dir: Path, checkpoint: Path | str) -> None:
     """The export's weights are exactly the checkpoint's (a file, or a sharded dir consolidated)."""
     from safetensors.torch import load_file
 
-    from crm.lit.callbacks import model_state_from_checkpoint
-
     exported = load_file(export_dir / "model.safetensors")
-    saved, step = model_state_from_checkpoint(checkpoint)
-    assert json.loads((export_dir / "crm.json").read_text())["global_step"] == step
+    loaded = load_checkpoint(checkpoint)
+    saved = model_weights(loaded)
+    assert json.loads((export_dir / "crm.json").read_text())["global_step"] == loaded["global_step"]
     assert exported and set(exported) <= set(saved)
     for key, tensor in exported.items():
         torch.testing.assert_close(tensor, saved[key], rtol=0, atol=0, msg=key)
@@ -356,7 +356,7 @@ def export_logits(export_dir: Path) -> torch.Tensor:
 
 @slow
 def test_fsdp_checkpoints_export_consolidated_to_plain_transformers(runs, tmp_path):
-    from crm.cli.export import export_checkpoint
+    from crm.checkpoint import export_checkpoint
 
     # The run's own export (its best checkpoint, a sharded dir) against the other two runs'.
     exports = {name: getattr(runs, name) / "export" for name in ("fsdp", "ddp", "reference")}
@@ -529,7 +529,7 @@ def test_resume_auto_ignores_incomplete_sharded_checkpoints(tmp_path):
 
 
 def test_a_resumed_run_appends_to_the_csv_history(tmp_path):
-    from crm.cli.common import ResumableCSVLogger
+    from crm.lit.loggers import ResumableCSVLogger
 
     first = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
     for step in range(3):

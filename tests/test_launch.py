@@ -28,9 +28,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import crm_configs
-from crm.cli.common import world_size
-from crm.cli.eval import model_shorthand
-from crm.cli.train import accumulation
+from crm.cli.common import checkpoint_argument
+from crm.lit.trainer import accumulation, world_size
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -353,13 +352,13 @@ def test_eval_sbatch_builds_crm_eval_and_crm_leaderboard_command_lines(slurm, tm
     eval_call, lb_call = slurm.srun_calls()
     assert eval_call["argv"][0] == "crm-eval" and lb_call["argv"][0] == "crm-leaderboard"
 
-    cfg = compose_cfg("eval", model_shorthand(eval_call["argv"])[1:])
-    assert cfg.model.path == model and list(cfg.data.test) == tests
+    cfg = compose_cfg("eval", eval_call["argv"][1:])
+    assert cfg.checkpoint == model and list(cfg.data.test) == tests
     assert cfg.batch_size == 64 and str(cfg.name) == str(slurm.job_id)
 
-    cfg = compose_cfg("leaderboard", model_shorthand(lb_call["argv"])[1:])
+    cfg = compose_cfg("leaderboard", lb_call["argv"][1:])
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["model"]["path"] == model and resolved["bench"] == "bench one.jsonl"
+    assert resolved["checkpoint"] == model and resolved["bench"] == "bench one.jsonl"
     assert resolved["baseline"] == "model, v2" and resolved["both_orders"] is True
     assert resolved["criteria"] == [c for c in criteria if c]
 
@@ -524,7 +523,9 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 found.append(("train-hydra" if submitit else "train", point))
         elif command in ("crm-eval", "crm-leaderboard", "crm-plan"):
             config = {"crm-eval": "eval", "crm-leaderboard": "leaderboard", "crm-plan": "plan"}[command]
-            found.append((config, model_shorthand([command, *overrides])[1:]))
+            if config != "plan":  # crm-plan's `model` is the config group
+                overrides = checkpoint_argument([command, *overrides])[1:]
+            found.append((config, overrides))
         elif command == "sbatch":
             while args and args[0].startswith("-"):
                 args.pop(0)
@@ -533,7 +534,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 found.append(("train", ["trainer=fsdp", *[a for a in rest if "=" in a]]))
             elif script == "eval.sbatch":
                 tests = [a for a in rest[1:] if "=" not in a]
-                found.append(("eval", [f"model.path={rest[0]}", f"data.test=[{','.join(tests)}]",
+                found.append(("eval", [f"checkpoint={rest[0]}", f"data.test=[{','.join(tests)}]",
                                        *[a for a in rest[1:] if "=" in a]]))
         elif command.endswith("sweep.sh"):
             for point in expand_sweeps(overrides):
@@ -625,12 +626,12 @@ def test_train_sbatch_end_to_end_preempted_requeued_and_resumed(tmp_path):
     """Two ranks on CPU through the real script: SIGUSR1 to every process of every task (DataLoader
     workers too) -> last.ckpt at a step boundary, `scontrol requeue` by rank 0, the batch script
     exits 0; the requeued job (same id) resumes from last.ckpt and finishes."""
-    from crm.cli.common import prepare_data
+    from crm.data.demo import prepare_demo
 
     demo = ["data.demo.n_train=386", "data.demo.n_test=20", "data.demo.n_bench=4"]
     fake = FakeSlurm(tmp_path, job_id=free_job_id(), nodes=1, tasks_per_node=2)
     cfg = compose_cfg("train", [*demo, f"paths.root_dir={fake.root}"])
-    shards = prepare_data(cfg.data)  # once, before the ranks start
+    shards = prepare_demo(cfg.data.path, **cfg.data.demo)  # once, before the ranks start
     overrides = [
         "model=tiny", "model.path=null", "data=demo", f"data.path={shards}", *demo,
         "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=64",

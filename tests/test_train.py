@@ -19,12 +19,13 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
 
 import crm_configs
-from crm.cli.common import build_transform, prepare_data, world_size
-from crm.cli.train import accumulation, train
-from crm.data.stream import pad_rows
-from crm.lit.callbacks import model_state_from_checkpoint
+from crm.checkpoint import load_checkpoint, model_weights
+from crm.cli.train import train, transform_config
+from crm.data.demo import prepare_demo
 from crm.lit.module import CRMModule, OptimConfig
+from crm.lit.trainer import accumulation, world_size
 from crm.models.factory import build_crm
+from crm.padding import pad_rows
 
 CONFIG_DIR = Path(crm_configs.__file__).parent
 
@@ -77,7 +78,7 @@ def demo_root(tmp_path_factory) -> Path:
     """A paths.root_dir whose cache holds the (small) demo data, generated once per session."""
     root = tmp_path_factory.mktemp("crm_root")
     cfg = compose_train([*TINY_DEMO, f"paths.root_dir={root}"])
-    shard_dir = prepare_data(cfg.data)
+    shard_dir = prepare_demo(cfg.data.path, **cfg.data.demo)
     assert (shard_dir / "manifest.json").is_file()
     return root
 
@@ -146,10 +147,10 @@ def test_world_size_and_accumulation_of_the_trainer_configs():
 
 def test_direction_curriculum_steps_become_micro_batches_of_a_rank():
     cfg = compose_train(["direction=curriculum", "direction.warmup_steps=150"])
-    transform = build_transform(cfg, accumulation=2)
+    transform = transform_config(cfg, accumulation=2)
     assert (transform.direction, transform.warmup_direction) == ("random", "original")
     assert transform.warmup_batches == 300
-    assert build_transform(compose_train(["direction=random"]), accumulation=2).warmup_batches == 0
+    assert transform_config(compose_train(["direction=random"]), accumulation=2).warmup_batches == 0
 
 
 # -- 2. every loss x noise x direction ------------------------------------------------------------
@@ -233,7 +234,7 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
     assert model.config.pad_token_id == tokenizer.pad_token_id is not None
     assert model.config.num_labels == (2 if loss == "cls" else 1)
-    saved, _ = model_state_from_checkpoint(best)
+    saved = model_weights(load_checkpoint(best))
     for name, tensor in model.state_dict().items():
         if name in saved:
             torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)

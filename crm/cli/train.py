@@ -1,7 +1,8 @@
-"""crm-train: compose the config, then data -> model -> fit -> export -> evaluate (metrics.json)."""
+"""crm-train: compose the config, then data -> tokenizer -> model -> fit -> export -> evaluate
+(metrics.json). `train` reads top to bottom as the run does; the helpers below it only translate
+config groups into the library's arguments."""
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import time
@@ -12,121 +13,180 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from crm.cli.common import (build_transform, checkpoint_callbacks, crm_kwargs,
-                            load_or_train_tokenizer, make_logger, prepare_data, resolve_resume,
-                            sweep_info, trainer_kwargs, world_size, write_json)
+from crm.checkpoint import resolve_resume
+from crm.cli.common import model_arch
+from crm.data.demo import prepare_demo
 from crm.data.manifest import load_manifest
+from crm.data.reader import training_texts
 from crm.data.stream import StreamConfig
-from crm.lit.callbacks import ExportBest, ShardingReport
+from crm.evaluation import evaluate_files
+from crm.files import write_json
+from crm.lit.callbacks import CheckpointCard, ExportBest, ShardingReport
+from crm.lit.datamodule import CRMDataModule
+from crm.lit.loggers import make_logger
+from crm.lit.module import CRMModule, OptimConfig
 from crm.lit.preemption import Preemption
 from crm.lit.throughput import Throughput
-from crm.lit.datamodule import CRMDataModule
-from crm.lit.module import CRMModule, OptimConfig
-from crm.parallel import ParallelConfig
+from crm.lit.trainer import accumulation, make_trainer, world_size
 from crm.models.factory import build_crm
+from crm.models.tokenizer import load_or_train_tokenizer
+from crm.parallel import DTYPES, ParallelConfig
 from crm.prompts import PromptTemplate
-
-log = logging.getLogger("crm.train")
-
-
-def accumulation(global_batch: int, micro_batch: int, world: int) -> int:
-    per_step = micro_batch * world
-    if global_batch % per_step:
-        raise ValueError(f"global_batch_size={global_batch} is not a multiple of micro_batch_size="
-                         f"{micro_batch} x {world} ranks; accumulation must be a whole number")
-    return global_batch // per_step
+from crm.report import parse_overrides
+from crm.transforms import TransformConfig
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig) -> dict | None:
+    """The run; its metrics on global rank 0, None on the other ranks."""
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    check(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+
+    shard_dir = prepare_demo(cfg.data.path, **cfg.data.demo) if cfg.data.demo else Path(cfg.data.path)
+    template = prompt_template(cfg)
+    tokenizer = load_or_train_tokenizer(
+        cfg.model.tokenizer or cfg.model.path, run_dir / "tokenizer", vocab_size=cfg.model.vocab_size,
+        texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), template))
+    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
+    accum = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world_size(trainer_args))
+    datamodule = CRMDataModule(shard_dir, tokenizer, stream_config(cfg, template),
+                               transform_config(cfg, accum), num_workers=cfg.stream.num_workers)
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    module = CRMModule(partial(build_crm, cfg.loss.kind, **crm_kwargs(cfg, tokenizer, datamodule)),
+                       OptimConfig(**cfg.optim), ParallelConfig(**cfg.parallel),
+                       run_config=run_config)
+    sweep = sweep_info(cfg)
+    logger = make_logger(OmegaConf.to_container(cfg.logger), run_dir, cfg.name, sweep)
+    if logger:
+        logger.log_hyperparams({**run_config, "sweep": sweep or {}})
+    callbacks = run_callbacks(cfg, run_dir, tokenizer, template, with_logger=bool(logger))
+    trainer = make_trainer(trainer_args, accumulation=accum, val_every_n_steps=cfg.val_every_n_steps,
+                           callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir)
+    resumed_from = resolve_resume(cfg.resume, run_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resumed_from, weights_only=True)
+    # Export happened inside fit (ExportBest, run_dir/export): gathering FSDP shards needs every rank.
+
+    best, throughput = callbacks["best"], callbacks.get("throughput")
+    metrics = {
+        "run_dir": str(run_dir),
+        "preempted": callbacks["preemption"].preempted,
+        "train": {"global_step": trainer.global_step,
+                  "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
+                  "resumed_from": resumed_from, "accumulation": accum, "world_size": trainer.world_size,
+                  "per_rank_memory": callbacks["sharding"].per_rank,
+                  "throughput": throughput.last if throughput else None,
+                  "wall_seconds": round(time.time() - started, 1)},
+    }
+    if not trainer.is_global_zero:
+        return None
+    if "export" in callbacks and not metrics["preempted"] and cfg.evaluate and cfg.data.test_files:
+        from crm.scoring import CRMScorer
+
+        scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
+        metrics["eval"], _ = evaluate_files(scorer, cfg.data.test_files)
+    metrics["wall_seconds"] = round(time.time() - started, 1)
+    write_json(run_dir / "metrics.json", metrics)
+    return metrics
+
+
+def check(cfg: DictConfig) -> None:
+    """Settings that cannot work, refused before anything runs."""
     if str(cfg.trainer.precision).endswith("-mixed") and cfg.model.dtype != "float32":
         # Lightning's mixed precision autocasts the compute and never converts the parameters:
         # built in bfloat16, the weights, gradients and AdamW states would all be bfloat16.
         raise ValueError(f"trainer.precision={cfg.trainer.precision} keeps float32 master weights, "
                          f"but model.dtype={cfg.model.dtype} builds the parameters in that dtype: "
                          "set model.dtype=float32, or trainer.precision=bf16-true")
-    L.seed_everything(cfg.seed, workers=True)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
-    shard_dir = prepare_data(cfg.data)
-    manifest = load_manifest(shard_dir)
-    tokenizer = load_or_train_tokenizer(cfg.model, manifest, run_dir)
-    template = PromptTemplate()
-    kind = cfg.loss.kind
-    accum = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world_size(cfg.trainer))
-    transform = build_transform(cfg, accum)
-    make_crm = partial(build_crm, kind, num_labels=transform.num_labels,
-                       **crm_kwargs(cfg.model, cfg.loss, tokenizer))
-    stream = StreamConfig(batch_size=cfg.micro_batch_size, mode=kind, seed=cfg.seed,
-                          max_tokens=cfg.stream.max_tokens, min_turn_tokens=cfg.stream.min_turn_tokens,
-                          shuffle_buffer=cfg.stream.shuffle_buffer,
-                          window_batches=cfg.stream.window_batches, template=template)
-    datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform,
-                               num_workers=cfg.stream.num_workers)
-    # The run dir as the job saw it (absolute, a multirun job's own): crm-export finds the run's
-    # tokenizer through it.
-    run_config = {**OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir.resolve())}
-    module = CRMModule(make_crm, OptimConfig(**cfg.optim), ParallelConfig(**cfg.parallel),
-                       run_config=run_config)
+    if not (cfg.model.path or cfg.model.tokenizer or cfg.model.vocab_size):
+        raise ValueError(f"model={cfg.model.name}: no model.path or model.tokenizer to read a "
+                         "tokenizer from, and no model.vocab_size to train one; set model.path to "
+                         "a local checkpoint dir")
 
-    best, last = checkpoint_callbacks(run_dir, cfg)
-    sweep = sweep_info(cfg)
-    logger = make_logger(cfg.logger, run_dir, cfg.name, sweep)
-    if logger:
-        logger.log_hyperparams({**run_config, "sweep": sweep or {}})
-    preemption = Preemption(str(run_dir / "checkpoints" / "last.ckpt"),
-                            signum=getattr(signal, cfg.preemption.signal),
-                            requeue_command=cfg.preemption.requeue_command)
-    sharding = ShardingReport()
-    callbacks = [best, last, preemption, sharding]
-    throughput = None
+
+def prompt_template(cfg: DictConfig) -> PromptTemplate:
+    """crm's prompt wording with the fields `template` sets (null keeps the default)."""
+    fields = OmegaConf.to_container(cfg.template, resolve=True)
+    return PromptTemplate(**{k: v for k, v in fields.items() if v is not None})
+
+
+def stream_config(cfg: DictConfig, template: PromptTemplate) -> StreamConfig:
+    s = cfg.stream
+    return StreamConfig(batch_size=cfg.micro_batch_size, mode=cfg.loss.kind, seed=cfg.seed,
+                        max_tokens=s.max_tokens, min_turn_tokens=s.min_turn_tokens,
+                        shuffle_buffer=s.shuffle_buffer, window_batches=s.window_batches,
+                        template=template)
+
+
+def transform_config(cfg: DictConfig, accumulation: int = 1) -> TransformConfig:
+    """The direction/noise groups and `transform`; the direction curriculum's optimizer steps
+    become micro batches of one rank."""
+    t, direction = cfg.transform, cfg.direction
+    return TransformConfig(direction=direction.get("then", direction.name), noise=cfg.noise.name,
+                           arithmetic=t.arithmetic, swap_prob=t.swap_prob, ties=t.ties,
+                           redraw_each_epoch=t.redraw_each_epoch,
+                           warmup_direction=direction.get("warmup", "original"),
+                           warmup_batches=direction.get("warmup_steps", 0) * accumulation)
+
+
+def crm_kwargs(cfg: DictConfig, tokenizer, datamodule: CRMDataModule) -> dict:
+    """crm.models.factory.build_crm's arguments from the model and loss groups."""
+    return dict(num_labels=datamodule.transform.num_labels, path=cfg.model.path,
+                arch=model_arch(cfg.model, len(tokenizer)), attention=cfg.model.attention,
+                dtype=DTYPES[cfg.model.dtype], pad_token_id=tokenizer.pad_token_id,
+                margin=cfg.loss.get("margin", 0.0), center_coef=cfg.loss.get("center_coef", 0.0))
+
+
+def run_callbacks(cfg: DictConfig, run_dir: Path, tokenizer, template: PromptTemplate, *,
+                  with_logger: bool) -> dict[str, L.Callback]:
+    """The run's callbacks by name (train reads some of them back), then the `callbacks` group's."""
+    ckpt_dir = run_dir / "checkpoints"
+    callbacks = {
+        "best": L.pytorch.callbacks.ModelCheckpoint(  # the best model by val/loss
+            dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
+            enable_version_counter=False),
+        "last": L.pytorch.callbacks.ModelCheckpoint(  # last.ckpt every save_every_n_steps, to resume
+            dirpath=ckpt_dir, save_top_k=0, save_last=True, every_n_train_steps=cfg.save_every_n_steps,
+            enable_version_counter=False),
+        "card": CheckpointCard(tokenizer, kind=cfg.loss.kind, template=template,
+                               max_tokens=cfg.stream.max_tokens),
+        "preemption": Preemption(str(ckpt_dir / "last.ckpt"), signum=getattr(signal, cfg.preemption.signal),
+                                 requeue_command=cfg.preemption.requeue_command),
+        "sharding": ShardingReport(),
+    }
     if cfg.perf.log_every_n_steps:
         peak = None if cfg.perf.peak_tflops is None else cfg.perf.peak_tflops * 1e12
-        throughput = Throughput(cfg.perf.log_every_n_steps, gpu=cfg.perf.gpu, peak_flops=peak)
-        callbacks.append(throughput)
-    if logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
-        callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="step"))
+        callbacks["throughput"] = Throughput(cfg.perf.log_every_n_steps, gpu=cfg.perf.gpu, peak_flops=peak)
+    if with_logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
+        callbacks["lr"] = L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")
     if cfg.early_stopping_patience:
-        callbacks.append(L.pytorch.callbacks.EarlyStopping(
-            monitor="val/loss", patience=cfg.early_stopping_patience, mode="min"))
-    export_dir = run_dir / "export"
+        callbacks["early_stopping"] = L.pytorch.callbacks.EarlyStopping(
+            monitor="val/loss", patience=cfg.early_stopping_patience, mode="min")
     if cfg.export:
-        callbacks.append(ExportBest(export_dir, tokenizer, kind=kind, template=template,
-                                    max_tokens=cfg.stream.max_tokens,
-                                    extra={"config": run_config}, preemption=preemption))
-    trainer = L.Trainer(**trainer_kwargs(cfg.trainer),
-                        accumulate_grad_batches=accum, callbacks=callbacks,
-                        logger=logger,
-                        val_check_interval=cfg.val_every_n_steps * accum,
-                        check_val_every_n_epoch=None, default_root_dir=str(run_dir))
-    ckpt_path = resolve_resume(cfg.resume, run_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        callbacks["export"] = ExportBest(run_dir / "export", callbacks["card"],
+                                         preemption=callbacks["preemption"])
+    for name, spec in (cfg.callbacks or {}).items():
+        if name in callbacks:
+            raise ValueError(f"callbacks.{name}: the name of one of crm's own callbacks; choose another")
+        callbacks[name] = instantiate(spec)
+    return callbacks
 
-    metrics = {
-        "run_dir": str(run_dir),
-        "preempted": preemption.preempted,
-        "train": {"global_step": trainer.global_step,
-                  "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
-                  "resumed_from": ckpt_path, "accumulation": accum, "world_size": trainer.world_size,
-                  "per_rank_memory": sharding.per_rank,
-                  "throughput": throughput.last if throughput else None,
-                  "wall_seconds": round(time.time() - started, 1)},
-    }
-    finished = cfg.export and not preemption.preempted
-    if finished and cfg.evaluate and cfg.data.test_files and trainer.is_global_zero:
-        from crm.cli.eval import evaluate_files
-        from crm.scoring import CRMScorer
 
-        scorer = CRMScorer.from_export(export_dir, batch_size=64)
-        metrics["eval"], _ = evaluate_files(scorer, cfg.data.test_files)
-    metrics["wall_seconds"] = round(time.time() - started, 1)
-    if not trainer.is_global_zero:
+def sweep_info(cfg: DictConfig) -> dict | None:
+    """In a multirun: the sweep's group (the logger's group, else the run name) and this job's
+    axis values (its overrides), so that wandb groups and tags a sweep's runs."""
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    write_json(run_dir / "metrics.json", metrics)
-    return metrics
+    return {"group": cfg.logger.get("group") or cfg.name,
+            "axes": parse_overrides(hydra_cfg.overrides.task), "job": hydra_cfg.job.num}
 
 
 def _float(x) -> float | None:
@@ -138,11 +198,10 @@ def main(cfg: DictConfig) -> None:
     metrics = train(cfg)
     if metrics is None:  # not global rank 0
         return
-    if "eval" in metrics:
-        for path, m in metrics["eval"].items():
-            print(f"{Path(path).stem:>20}: accuracy {m['accuracy_mean']:.4f} "
-                  f"(given {m['accuracy']:.4f}, swapped {m['accuracy_swapped']:.4f}, "
-                  f"flip {m['flip_rate']:.4f})")
+    for path, m in metrics.get("eval", {}).items():
+        print(f"{Path(path).stem:>20}: accuracy {m['accuracy_mean']:.4f} "
+              f"(given {m['accuracy']:.4f}, swapped {m['accuracy_swapped']:.4f}, "
+              f"flip {m['flip_rate']:.4f})")
     print(f"metrics: {metrics['run_dir']}/metrics.json")
 
 

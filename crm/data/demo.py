@@ -11,16 +11,24 @@ The human vote follows a "crowd taste" (detailed beats concise, examples beat no
 time, so a criteria-blind model can reach about 75% in distribution, and exactly 50% on the
 contradictory test set, where every pair appears twice with opposite criteria and labels.
 
-Pure standard library; every draw comes from `random.Random` streams derived from the seed by name,
-so the same seed gives byte-identical files and each file is independent of the other files' sizes.
+Every draw comes from `random.Random` streams derived from the seed by name, so the same seed gives
+byte-identical files and each file is independent of the other files' sizes. `prepare_demo` is what
+crm-train runs for data=demo: generate and shard once into the cache.
 """
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
+
+from crm.data.shard import shard
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # style attributes: the id of an attribute is its `broad_criteria_topic`
@@ -788,3 +796,22 @@ def write_demo(out_dir: str | Path, seed: int = 0, n_train: int = 6000, n_test: 
         "bench.jsonl": _bench_records(seed, n_bench),
     }
     return {name: _write_jsonl(out_dir / name, records) for name, records in files.items()}
+
+
+def prepare_demo(shard_dir: str | Path, out_dir: str | Path, *, seed: int = 0, n_train: int = 6000,
+                 n_test: int = 400, n_bench: int = 60) -> Path:
+    """The demo's shard dir: generated into `out_dir`/raw and sharded into `shard_dir` unless a
+    complete cache is there already.
+
+    Under srun every rank starts at once: the first one prepares under a lock, the others then
+    find the cache ready. A cache from an older demo (fewer files) is regenerated, not trained on
+    and then failed.
+    """
+    shard_dir, raw = Path(shard_dir), Path(out_dir) / "raw"
+    expected = [raw / "bench.jsonl"] + [raw / "test" / f"{name}.jsonl" for name in TEST_FILES]
+    with FileLock(Path(out_dir) / ".prepare.lock"):
+        if not (shard_dir / "manifest.json").is_file() or not all(p.is_file() for p in expected):
+            log.info("generating the demo data into %s", raw)
+            write_demo(raw, seed=seed, n_train=n_train, n_test=n_test, n_bench=n_bench)
+            shard([str(raw / "train.jsonl")], shard_dir, shard_size=1000)
+    return shard_dir

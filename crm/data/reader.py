@@ -1,4 +1,4 @@
-"""Reading shard members as JSON, and nothing else.
+"""Reading shard members as JSON, and nothing else (and the text of a split, for a tokenizer).
 
 webdataset's default decoders unpickle `.pyd`/`.pickle` members: a shard from anywhere could run
 code. Here a member is read as bytes and parsed as JSON; a sample with any other member is refused
@@ -11,6 +11,8 @@ import tarfile
 from collections.abc import Iterator
 
 import webdataset as wds
+
+from crm.records import parse_train
 
 JSON_EXT = "json"
 
@@ -56,3 +58,13 @@ def iter_shard(url: str) -> Iterator[tuple[str, dict]]:
     """(key, JSON object) for every sample of a tar shard, in file order."""
     for key, data in iter_shard_raw(url):
         yield key, load_member(url, key, data)
+
+
+def training_texts(shards, template) -> Iterator[str]:
+    """What a tokenizer for this data should know: the prompt template's text, then every record's
+    criteria and messages (`shards`: the manifest's training shards)."""
+    yield template.pairwise + template.pointwise
+    for shard in shards:
+        for _, obj in iter_shard(shard.url):
+            r = parse_train(obj)
+            yield "\n".join(r.a_criteria + r.b_criteria + tuple(m.content for m in r.model_a + r.model_b))
