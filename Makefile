@@ -25,8 +25,8 @@ demo: install
 	@root=$${CRM_ROOT:-.}; name=$$(echo " $(ARGS)" | sed -n 's/.* name=\([^ ]*\).*/\1/p'); \
 	name=$${name:-demo}; raw=$$root/.cache/demo/raw; model=$$root/outputs/$$name/export; \
 	tests=$$(ls $$raw/test/*.jsonl | paste -sd, -); set -x; \
-	$(BIN)/crm-eval model=$$model name=$$name "data.test=[$$tests]" && \
-	$(BIN)/crm-leaderboard model=$$model name=$$name both_orders=true \
+	$(BIN)/crm-eval checkpoint=$$model name=$$name "data.test=[$$tests]" && \
+	$(BIN)/crm-leaderboard checkpoint=$$model name=$$name both_orders=true \
 	  bench=$$raw/bench.jsonl baseline=baseline \
 	  labels.criteria=detailed 'criteria=["I prefer detailed answers that cover everything."]' \
 	  labels.contrast=concise 'contrast=["I prefer short, to-the-point answers."]'

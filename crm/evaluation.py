@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from crm.records import TestRecord
+from crm.records import TestRecord, load_records
 from crm.scoring import unswap
 from crm.transforms import LABEL_A, LABEL_B, LABEL_TIE, eval_example
 
@@ -19,6 +19,10 @@ def verdict(probs: Sequence[float]) -> int | None:
         return None
     ranked = sorted(range(len(probs)), key=lambda i: -probs[i])
     return None if probs[ranked[0]] == probs[ranked[1]] else ranked[0]
+
+
+def _rate(xs: list[bool]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
 
 
 def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tensor,
@@ -37,15 +41,14 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
     ok_given = [v == y for v, y in zip(v_given, labels)]
     ok_swapped = [v == y for v, y in zip(v_swapped, labels)]
     ok_both = [verdict(p.tolist()) == y for p, y in zip((given + swapped) / 2, labels)]
-    rate = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
     metrics = {
         "n": n,
-        "accuracy": rate(ok_given),
-        "accuracy_swapped": rate(ok_swapped),
-        "accuracy_mean": rate(ok_given + ok_swapped),
-        "accuracy_both_orders": rate(ok_both),
-        "flip_rate": rate([a != b for a, b in zip(v_given, v_swapped)]),
-        "tie_rate": rate([v in (None, LABEL_TIE) for v in v_given + v_swapped]),
+        "accuracy": _rate(ok_given),
+        "accuracy_swapped": _rate(ok_swapped),
+        "accuracy_mean": _rate(ok_given + ok_swapped),
+        "accuracy_both_orders": _rate(ok_both),
+        "flip_rate": _rate([a != b for a, b in zip(v_given, v_swapped)]),
+        "tie_rate": _rate([v in (None, LABEL_TIE) for v in v_given + v_swapped]),
         "gold_ties": sum(y == LABEL_TIE for y in labels),
         "unscorable": int(torch.isnan(given[:, 0]).sum()),  # too long to fit; counted as wrong
     }
@@ -55,9 +58,9 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
             by_topic[topic].append((a, b))
     if by_topic:
         metrics["by_topic"] = {
-            t: {"n": len(v), "accuracy": rate([a for a, _ in v]),
-                "accuracy_swapped": rate([b for _, b in v]),
-                "accuracy_mean": rate([x for pair in v for x in pair])}
+            t: {"n": len(v), "accuracy": _rate([a for a, _ in v]),
+                "accuracy_swapped": _rate([b for _, b in v]),
+                "accuracy_mean": _rate([x for pair in v for x in pair])}
             for t, v in sorted(by_topic.items())}
     return metrics
 
@@ -80,4 +83,12 @@ def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[
          "verdict_swapped": VERDICT_NAMES[verdict(s.tolist())]}
         for r, g, s in zip(records, given, swapped)
     ]
+    return metrics, predictions
+
+
+def evaluate_files(scorer, paths) -> tuple[dict, dict]:
+    """({path: metrics}, {path: predictions}) for test-format files."""
+    metrics, predictions = {}, {}
+    for path in paths:
+        metrics[str(path)], predictions[str(path)] = evaluate_records(scorer, load_records(path, "test"))
     return metrics, predictions

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scorers import export_tiny, run_cli, tiny_scorer
 
-from crm.cli.eval import evaluate, evaluate_files, summary
-from crm.evaluation import accuracy_metrics, evaluate_records, verdict
+from crm.cli.eval import evaluate, summary
+from crm.evaluation import accuracy_metrics, evaluate_files, evaluate_records, verdict
 from crm.records import load_records
 from crm.transforms import LABEL_A, LABEL_B, LABEL_TIE
 
@@ -122,7 +122,7 @@ def test_crm_eval_writes_metrics_and_predictions(kind, tmp_path):
     export = export_tiny(tmp_path / "export", kind)
     files = [write_test_file(tmp_path, "one.jsonl"), write_test_file(tmp_path, "two.jsonl", n=4)]
     run_dir = tmp_path / "run"
-    result = run_cli("eval", evaluate, [f"model.path={export}", f"data.test=[{files[0]},{files[1]}]",
+    result = run_cli("eval", evaluate, [f"checkpoint={export}", f"data.test=[{files[0]},{files[1]}]",
                                         "progress=false", "batch_size=3"], run_dir)
     assert result["kind"] == kind
     saved = json.loads((run_dir / "metrics.json").read_text())
@@ -137,9 +137,9 @@ def test_crm_eval_writes_metrics_and_predictions(kind, tmp_path):
 def test_crm_eval_refuses_no_files_and_missing_files(tmp_path):
     export = export_tiny(tmp_path / "export")
     with pytest.raises(ValueError, match="no test files"):
-        run_cli("eval", evaluate, [f"model.path={export}"], tmp_path / "run")
+        run_cli("eval", evaluate, [f"checkpoint={export}"], tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="nowhere.jsonl: no such file"):
-        run_cli("eval", evaluate, [f"model.path={export}", f"data.test=[{tmp_path}/nowhere.jsonl]"],
+        run_cli("eval", evaluate, [f"checkpoint={export}", f"data.test=[{tmp_path}/nowhere.jsonl]"],
                 tmp_path / "run")
 
 
@@ -147,22 +147,27 @@ def test_eval_run_dir_is_deterministic(tmp_path):
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
-        cfg = compose("eval", overrides=[f"paths.root_dir={tmp_path}", "name=mine", "model.path=x"],
+        cfg = compose("eval", overrides=[f"paths.root_dir={tmp_path}", "name=mine", "checkpoint=x"],
                       return_hydra_config=True)
     assert cfg.hydra.run.dir == f"{tmp_path}/outputs/eval/mine"
 
 
-def test_main_reads_model_as_short_for_model_path(tmp_path, monkeypatch, capsys):
-    from crm.cli.eval import main, model_shorthand
+def test_main_takes_checkpoint_and_the_deprecated_model(tmp_path, monkeypatch, capsys):
+    from crm.cli.common import checkpoint_argument
+    from crm.cli.eval import main
 
-    assert model_shorthand(["crm-eval", "model=a/b", "models=x", "++model=c", "name=model=d"]) == \
-        ["crm-eval", "model.path=a/b", "models=x", "++model.path=c", "name=model=d"]
+    assert checkpoint_argument(["crm-eval", "model=a/b", "models=x", "++model.path=c",
+                                "name=model=d", "checkpoint=e"]) == \
+        ["crm-eval", "checkpoint=a/b", "models=x", "checkpoint=c", "name=model=d", "checkpoint=e"]
+    assert capsys.readouterr().err.count("is deprecated, use checkpoint=") == 2
     export = export_tiny(tmp_path / "export")
     path = write_test_file(tmp_path)
-    run_dir = tmp_path / "run"
-    monkeypatch.setattr("sys.argv", ["crm-eval", f"model={export}", f"data.test=[{path}]",
-                                     "progress=false", f"hydra.run.dir={run_dir}"])
-    main()
-    out = capsys.readouterr().out
-    assert "test" in out and f"metrics: {run_dir}/metrics.json" in out
-    assert json.loads((run_dir / "metrics.json").read_text())["files"][str(path)]["n"] == 6
+    for argument in ("checkpoint", "model"):
+        run_dir = tmp_path / argument
+        monkeypatch.setattr("sys.argv", ["crm-eval", f"{argument}={export}", f"data.test=[{path}]",
+                                         "progress=false", f"hydra.run.dir={run_dir}"])
+        main()
+        out, err = capsys.readouterr()
+        assert "test" in out and f"metrics: {run_dir}/metrics.json" in out
+        assert ("model= is deprecated" in err) == (argument == "model")
+        assert json.loads((run_dir / "metrics.json").read_text())["files"][str(path)]["n"] == 6

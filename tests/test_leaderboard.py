@@ -250,7 +250,7 @@ def test_crm_leaderboard_writes_json_md_png(tmp_path):
     bench = demo_like_bench(tmp_path)
     run_dir = tmp_path / "run"
     result = run_cli("leaderboard", run, [
-        f"model.path={export}", f"bench={bench}", "baseline=base",
+        f"checkpoint={export}", f"bench={bench}", "baseline=base",
         'criteria=["concise answer, please","is friendly"]', 'contrast=["detailed answer"]',
         "topics=[t2]", "progress=false", "labels.criteria=concise", "labels.contrast=detailed"],
         run_dir)
@@ -269,13 +269,13 @@ def test_default_mode_ranks_under_the_generic_criterion(tmp_path):
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
-        cfg = compose("leaderboard", overrides=["model.path=x", "bench=y", "baseline=z"],
+        cfg = compose("leaderboard", overrides=["checkpoint=x", "bench=y", "baseline=z"],
                       return_hydra_config=True)
     assert tuple(cfg.default_criteria) == DEFAULT_CRITERIA
     assert cfg.hydra.run.dir.endswith("/outputs/leaderboard/default")
 
     export = export_tiny(tmp_path / "export")
-    common = [f"model.path={export}", f"bench={demo_like_bench(tmp_path)}", "baseline=base",
+    common = [f"checkpoint={export}", f"bench={demo_like_bench(tmp_path)}", "baseline=base",
               "progress=false"]
     result = run_cli("leaderboard", run, [*common, "default=true"], tmp_path / "run")
     assert result["boards"][0]["criteria"] == list(DEFAULT_CRITERIA)
@@ -290,17 +290,17 @@ def test_strict_refuses_rejected_lines(tmp_path):
     bench = write_bench(tmp_path / "bench.jsonl", [
         bench_line(0, "t", {"base": "x", "m": "y"}), bench_line(1, "t", {"m": "y"})])
     with pytest.raises(ValueError, match="1 benchmark lines rejected \\(strict=true\\)"):
-        run_cli("leaderboard", run, [f"model.path={tmp_path}", f"bench={bench}", "baseline=base",
+        run_cli("leaderboard", run, [f"checkpoint={tmp_path}", f"bench={bench}", "baseline=base",
                                      "criteria=[x]", "strict=true"], tmp_path / "run")
 
 
 def test_the_installed_command(tmp_path):
-    """One run of the installed script: `model=DIR` works, outputs land in hydra.run.dir."""
+    """One run of the installed script: outputs land in hydra.run.dir."""
     export = export_tiny(tmp_path / "export")
     run_dir = tmp_path / "run"
     bin_dir = Path(sys.executable).parent
     proc = subprocess.run(
-        [str(bin_dir / "crm-leaderboard"), f"model={export}", f"bench={demo_like_bench(tmp_path)}",
+        [str(bin_dir / "crm-leaderboard"), f"checkpoint={export}", f"bench={demo_like_bench(tmp_path)}",
          "baseline=base", "criteria=[concise answer]", "progress=false",
          f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -313,7 +313,7 @@ def test_the_installed_command(tmp_path):
 def test_a_failing_run_exits_non_zero(tmp_path, monkeypatch, capsys):
     from crm.cli.leaderboard import main
 
-    monkeypatch.setattr("sys.argv", ["crm-leaderboard", f"model={tmp_path}",
+    monkeypatch.setattr("sys.argv", ["crm-leaderboard", f"checkpoint={tmp_path}",
                                      f"bench={tmp_path}/none.jsonl", "baseline=base",
                                      "criteria=[x]", f"hydra.run.dir={tmp_path}/run"])
     with pytest.raises(SystemExit) as exit_info:

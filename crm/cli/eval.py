@@ -1,15 +1,14 @@
 """crm-eval: score test files with a trained CRM (metrics.json, predictions.jsonl).
 
-    crm-eval model=outputs/demo/export data.test=[a.jsonl,b.jsonl] [name=...] [batch_size=...]
+    crm-eval checkpoint=outputs/demo/export data.test=[a.jsonl,b.jsonl] [name=...] [batch_size=...]
 
-`model=DIR` is short for `model.path=DIR`: the configs share one search path with crm-train, where
-`model` is a config group, and Hydra reads `model=X` as a choice in that group.
+`checkpoint` is an export dir or any checkpoint crm-train writes. The former `model=DIR` still
+works, with a deprecation message: `model` is crm-train's config group, in the same search path.
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import time
 from pathlib import Path
@@ -18,31 +17,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from crm.cli.common import DTYPES, write_json
-from crm.evaluation import evaluate_records
-from crm.records import load_records
+from crm.cli.common import checkpoint_argument, load_scorer
+from crm.evaluation import evaluate_files
+from crm.files import write_json
 
 log = logging.getLogger("crm.eval")
-
-
-def evaluate_files(scorer, paths) -> tuple[dict, dict]:
-    """({path: metrics}, {path: predictions}) for test-format files."""
-    metrics, predictions = {}, {}
-    for path in paths:
-        metrics[str(path)], predictions[str(path)] = evaluate_records(scorer, load_records(path, "test"))
-    return metrics, predictions
-
-
-def load_scorer(cfg: DictConfig):
-    """The CRMScorer of `cfg.model` (an export dir or a crm-train .ckpt) with the run's options."""
-    import torch
-
-    from crm.scoring import CRMScorer
-
-    device = None if cfg.device == "auto" else torch.device(cfg.device)
-    dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    return CRMScorer.load(cfg.model.path, batch_size=cfg.batch_size, device=device, dtype=dtype,
-                          prefix_reuse=cfg.get("prefix_reuse", True), progress=cfg.progress)
 
 
 def evaluate(cfg: DictConfig) -> dict:
@@ -50,14 +29,14 @@ def evaluate(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     paths = list(cfg.data.test or [])
     if not paths:
-        raise ValueError("no test files: crm-eval model=DIR data.test=[FILE.jsonl,...]")
+        raise ValueError("no test files: crm-eval checkpoint=DIR data.test=[FILE.jsonl,...]")
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(f"data.test: {path}: no such file")
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     metrics, predictions = evaluate_files(scorer, paths)
-    result = {"model": str(cfg.model.path), "kind": scorer.kind, "files": metrics,
+    result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics,
               "wall_seconds": round(time.time() - started, 1)}
     write_json(run_dir / "metrics.json", result)
     with open(run_dir / "predictions.jsonl", "w", encoding="utf-8") as out:
@@ -81,11 +60,6 @@ def summary(files: dict) -> str:
     return "\n".join(lines)
 
 
-def model_shorthand(argv: list[str]) -> list[str]:
-    """`model=DIR` (also `+model=`, `++model=`) -> `model.path=DIR`, for the inference commands."""
-    return argv[:1] + [re.sub(r"^(\+{0,2})model=", r"\1model.path=", a) for a in argv[1:]]
-
-
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="eval")
 def _main(cfg: DictConfig) -> None:
     result = evaluate(cfg)
@@ -94,7 +68,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    sys.argv = model_shorthand(sys.argv)
+    sys.argv = checkpoint_argument(sys.argv)
     _main()
 
 

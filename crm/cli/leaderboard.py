@@ -1,12 +1,13 @@
 """crm-leaderboard: rank the models of a benchmark for one user's criteria.
 
-    crm-leaderboard model=DIR bench=FILE baseline=NAME 'criteria=["line 1","line 2"]'
+    crm-leaderboard checkpoint=DIR bench=FILE baseline=NAME 'criteria=["line 1","line 2"]'
                     [topics=[...]] ['contrast=[...]'] [default=true]
 
 Writes leaderboard.json, leaderboard.md and leaderboard.png into outputs/leaderboard/<name>.
 `default=true` ranks under `default_criteria` (the crowd's average preference) instead of
-`criteria`; with `contrast` it is compared with another criteria set (Kendall tau). `model=DIR` is
-short for `model.path=DIR` (see crm.cli.eval).
+`criteria`; with `contrast` it is compared with another criteria set (Kendall tau). `checkpoint`
+is an export dir or a crm-train checkpoint (the former `model=DIR` still works, with a deprecation
+message).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from crm.cli.common import write_json
-from crm.cli.eval import load_scorer, model_shorthand
+from crm.cli.common import checkpoint_argument, load_scorer
+from crm.files import write_json
 from crm.leaderboard import leaderboard, select
 from crm.leaderboard_render import markdown, plot
 
@@ -67,7 +68,7 @@ def run(cfg: DictConfig) -> dict:
     scorer = load_scorer(cfg)
     result = leaderboard(scorer, selection, criteria, contrast or None,
                          both_orders=cfg.both_orders, labels=labels)
-    result.update(model=str(cfg.model.path), kind=scorer.kind,
+    result.update(model=str(cfg.checkpoint), kind=scorer.kind,
                   sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
                   wall_seconds=round(time.time() - started, 1))
     write_json(run_dir / "leaderboard.json", result)
@@ -85,7 +86,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    sys.argv = model_shorthand(sys.argv)  # model=DIR is short for model.path=DIR
+    sys.argv = checkpoint_argument(sys.argv)
     _main()
 
 

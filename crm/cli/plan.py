@@ -12,9 +12,10 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from crm.cli.common import write_json
+from crm.cli.common import model_arch
+from crm.files import write_json
 from crm.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
 from crm.memory import ROWS_PER_RECORD, memory_plan
 
@@ -29,11 +30,9 @@ def model_shape(model: DictConfig, kind: str) -> ModelShape:
 
         config = AutoConfig.from_pretrained(model.path, num_labels=num_labels, local_files_only=True)
         return ModelShape.from_config(config)
-    arch = model.arch
-    if isinstance(arch, DictConfig):  # the tiny model: its vocabulary is the trained tokenizer's
-        arch = {**OmegaConf.to_container(arch), "vocab_size": model.vocab_size}
-    return ModelShape.from_model(build_classifier(num_labels=num_labels, pad_token_id=0, arch=arch,
-                                                  attention="sdpa", device="meta"))
+    return ModelShape.from_model(build_classifier(
+        num_labels=num_labels, pad_token_id=0, arch=model_arch(model, model.vocab_size),
+        attention="sdpa", device="meta"))
 
 
 def plan(cfg: DictConfig) -> dict:
