@@ -1,7 +1,8 @@
 """Criteria-conditioned prompts -> chat messages -> token ids, under a length policy.
 
-The templates are our own wording and are configuration: a config can replace any of them. A
-prompt is one user message rendered through the tokenizer's chat template. The length policy never
+The templates are our own wording and are configuration: crm-train's `template` group replaces any
+field, and checkpoints and exports carry the template they trained with. A prompt is one user
+message rendered through the tokenizer's chat template. The length policy never
 cuts the tail of the sequence (response B and the final token the head reads): it shortens the
 middles of the responses, or drops the example, and counts both.
 
@@ -44,6 +45,9 @@ POINTWISE_TEMPLATE = """Rate a response for a user with these criteria.
 How well does the response meet this user's criteria?"""
 
 ELLIPSIS = " [...] "
+FIELDS = {"pairwise": ("criteria", "query", "conversation_a", "conversation_b"),
+          "pointwise": ("criteria", "query", "conversation"),
+          "criterion": ("criterion",), "turn": ("role", "content")}
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,15 @@ class PromptTemplate:
     roles: dict = field(default_factory=lambda: {"user": "User", "assistant": "Assistant",
                                                  "system": "System"})
     system: str | None = None  # an optional system message before the prompt
+
+    def __post_init__(self):
+        # A field the template does not know would otherwise fail mid-run, in a DataLoader worker.
+        for name, fields in FIELDS.items():
+            try:
+                getattr(self, name).format(**dict.fromkeys(fields, ""))
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"template {name}: {exc!r}; its fields are "
+                                 f"{', '.join('{' + f + '}' for f in fields)}") from None
 
     def criteria_block(self, criteria) -> str:
         return "\n".join(self.criterion.format(criterion=c) for c in criteria)
@@ -80,20 +93,6 @@ class PromptTemplate:
         return system + [{"role": "user", "content": text}]
 
 
-@dataclass
-class LengthStats:
-    """What the length policy did; summed across workers by whoever reads the batches."""
-
-    rendered: int = 0
-    shortened: int = 0
-    dropped: int = 0
-
-    def add(self, other: "LengthStats") -> None:
-        self.rendered += other.rendered
-        self.shortened += other.shortened
-        self.dropped += other.dropped
-
-
 class Fit(NamedTuple):
     """A prompt under the length policy: its token ids (None: dropped) and whether it was shortened."""
 
@@ -115,7 +114,6 @@ class PromptEncoder:
         self.template = template or PromptTemplate()
         self.max_tokens = max_tokens
         self.min_turn_tokens = min_turn_tokens
-        self.stats = LengthStats()
         self._affixes = self._chat_affixes()
 
     def _chat_affixes(self) -> tuple[str, str] | None:
@@ -150,13 +148,6 @@ class PromptEncoder:
     def encode_text(self, text: str) -> list[int]:
         return self.encode_texts([text])[0]
 
-    def pairwise(self, criteria, query: str, conv_a: Conversation, conv_b: Conversation):
-        """Token ids of the pairwise prompt, or None when it cannot fit."""
-        return self.pairwise_many([(criteria, query, conv_a, conv_b)])[0]
-
-    def pointwise(self, criteria, query: str, conversation: Conversation):
-        return self.pointwise_many([(criteria, query, conversation)])[0]
-
     def pairwise_many(self, items) -> list:
         """[(criteria, query, conv_a, conv_b)] -> token ids or None (dropped) for each."""
         return [fit.ids for fit in self.fit_pairwise(items)]
@@ -175,7 +166,6 @@ class PromptEncoder:
                                for c, q, conv in items])
 
     def _fit_many(self, items) -> list[Fit]:
-        self.stats.rendered += len(items)
         encoded = self.encode_texts([render(*convs) for render, convs in items])
         return [Fit(ids, False) if len(ids) <= self.max_tokens else self._shorten_to_fit(render, convs, ids)
                 for ids, (render, convs) in zip(encoded, items)]
@@ -193,11 +183,9 @@ class PromptEncoder:
                 break
             ids = self.encode_text(render(*self._shorten(conversations, contents, cap)))
             if len(ids) <= self.max_tokens:
-                self.stats.shortened += 1
                 return Fit(ids, True)
             # At least one token per capped message, so the cap always moves down.
             excess += max(len(ids) - self.max_tokens, sum(n > cap for n in lengths))
-        self.stats.dropped += 1
         return Fit(None, False)
 
     def _shorten(self, conversations, contents, cap: int) -> list[Conversation]:
@@ -223,7 +211,10 @@ def _water_level(lengths: list[int], excess: int, marker: int = 0) -> int | None
     messages first keeps short answers intact and shortens long ones evenly.
     """
     target = sum(lengths) - excess
-    kept = lambda cap: sum(n if n <= cap else cap + marker for n in lengths)  # noqa: E731
+
+    def kept(cap: int) -> int:
+        return sum(n if n <= cap else cap + marker for n in lengths)
+
     if target <= 0 or kept(0) > target:
         return None
     lo, hi = 0, max(lengths)

@@ -344,6 +344,3 @@ def load_records(path: str | Path, fmt: str) -> list:
         records.append(line.record)
     return records
 
-
-def message_dicts(conversation: Conversation) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in conversation]

@@ -107,10 +107,6 @@ def record_rng(seed: int, epoch: int, key: str) -> random.Random:
     return random.Random(int.from_bytes(digest, "little"))
 
 
-def is_trainable(record: TrainRecord, cfg: TransformConfig) -> bool:
-    return record.human_winner != "tie" or cfg.ties == "keep"
-
-
 def apply_noise(criteria: list[str], rejected: list[str], rejected_topics, noise: str,
                 pool: CriteriaPool | None, rng: random.Random, arithmetic: str = "fixed") -> list[str]:
     """Criteria noise. `rejected` are the criteria of the side that loses under `criteria`."""

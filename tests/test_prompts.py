@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 
 from crm.models.tokenizer import train_bpe_tokenizer
-from crm.prompts import (ELLIPSIS, PAIRWISE_TEMPLATE, LengthStats, PromptEncoder, PromptTemplate,
-                         _water_level)
+from crm.prompts import ELLIPSIS, PAIRWISE_TEMPLATE, Fit, PromptEncoder, PromptTemplate, _water_level
 from crm.records import Message
 from helpers import CORPUS, tiny_tokenizer
 
@@ -25,6 +24,18 @@ def long_text(tag: str, words: int = 60) -> str:
     """START_tag ... MIDDLE_tag ... END_tag: the middle marker sits in the centre."""
     half = " ".join(f"{tag.lower()}{i}" for i in range(words))
     return f"START_{tag} {half} MIDDLE_{tag} {half} END_{tag}"
+
+
+def pair_fit(enc: PromptEncoder, criteria, query, a, b) -> Fit:
+    return enc.fit_pairwise([(criteria, query, a, b)])[0]
+
+
+def pair_ids(enc: PromptEncoder, criteria, query, a, b):
+    return pair_fit(enc, criteria, query, a, b).ids
+
+
+def point_ids(enc: PromptEncoder, criteria, query, conversation):
+    return enc.pointwise_many([(criteria, query, conversation)])[0]
 
 
 def decode(ids) -> str:
@@ -93,7 +104,7 @@ def test_custom_template_replaces_the_wording():
     assert t.pointwise_text(["x"], "q", answer("r")) == "C:* x|Q:q|R:r"
     assert t.messages("body") == [{"role": "system", "content": "You judge."},
                                   {"role": "user", "content": "body"}]
-    ids = PromptEncoder(TOK, t).pairwise(CRITERIA, QUERY, conv, answer("bye"))
+    ids = pair_ids(PromptEncoder(TOK, t), CRITERIA, QUERY, conv, answer("bye"))
     assert decode(ids) == ("<|im_start|>system\nYou judge.<|im_end|>\n<|im_start|>user\nC:* be concise\n"
                            "* cite sources|Q:How do tides work?|1:<M> hi\n<U> more\n<M> ok|2:bye|?"
                            "<|im_end|>\n")
@@ -102,7 +113,7 @@ def test_custom_template_replaces_the_wording():
 
 def test_encoding_goes_through_the_chat_template():
     enc = PromptEncoder(TOK)
-    ids = enc.pairwise(CRITERIA, QUERY, answer("A says"), answer("B says"))
+    ids = pair_ids(enc, CRITERIA, QUERY, answer("A says"), answer("B says"))
     text = PromptTemplate().pairwise_text(CRITERIA, QUERY, answer("A says"), answer("B says"))
     chat = TOK.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
     assert ids == TOK(chat, add_special_tokens=False)["input_ids"]
@@ -115,7 +126,7 @@ def test_chat_template_that_transforms_content_is_rendered_per_example():
     tok.chat_template = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
                          "message['content'] | upper + '<|im_end|>\\n' }}{%- endfor %}")
     enc = PromptEncoder(tok)
-    ids = enc.pointwise(["kind"], "q", answer("shout this"))
+    ids = point_ids(enc, ["kind"], "q", answer("shout this"))
     assert "SHOUT THIS" in tok.decode(ids) and "shout this" not in tok.decode(ids)
 
 
@@ -123,30 +134,31 @@ def test_many_equals_one_by_one():
     items = [(CRITERIA, QUERY, answer(f"A{i} " * i), answer(long_text("B", 10 * i))) for i in range(5)]
     batch = PromptEncoder(TOK, max_tokens=260)
     single = PromptEncoder(TOK, max_tokens=260)
-    assert batch.pairwise_many(items) == [single.pairwise(*it) for it in items]
-    assert batch.stats == single.stats and batch.stats.rendered == 5
-    assert batch.stats.shortened > 0
+    fits = batch.fit_pairwise(items)
+    assert fits == [single.fit_pairwise([it])[0] for it in items]
+    assert batch.pairwise_many(items) == [f.ids for f in fits]
+    assert any(f.shortened for f in fits)
 
 
 # -- length policy ---------------------------------------------------------------------------------
 
 
-def test_fitting_prompt_is_untouched_and_counted():
+def test_fitting_prompt_is_untouched():
     enc = PromptEncoder(TOK, max_tokens=10_000)
-    full = enc.pairwise(CRITERIA, QUERY, answer(long_text("A")), answer(long_text("B")))
+    full = pair_ids(enc, CRITERIA, QUERY, answer(long_text("A")), answer(long_text("B")))
     exact = PromptEncoder(TOK, max_tokens=len(full))
-    assert exact.pairwise(CRITERIA, QUERY, answer(long_text("A")), answer(long_text("B"))) == full
-    assert exact.stats == LengthStats(rendered=1, shortened=0, dropped=0)
+    assert pair_fit(exact, CRITERIA, QUERY, answer(long_text("A")), answer(long_text("B"))) == \
+        Fit(full, False)
 
 
 def test_shortening_keeps_the_tail_and_cuts_middles():
     a, b = answer(long_text("A")), answer(long_text("B"))
-    full = PromptEncoder(TOK, max_tokens=10_000).pairwise(CRITERIA, QUERY, a, b)
+    full = pair_ids(PromptEncoder(TOK, max_tokens=10_000), CRITERIA, QUERY, a, b)
     tail = tail_len(full, "END_B")  # end of B + closing text + <|im_end|> + newline
     limit = len(full) // 2
     enc = PromptEncoder(TOK, max_tokens=limit)
-    ids = enc.pairwise(CRITERIA, QUERY, a, b)
-    assert ids is not None and len(ids) <= limit
+    ids, shortened = pair_fit(enc, CRITERIA, QUERY, a, b)
+    assert shortened and ids is not None and len(ids) <= limit
     assert ids[-tail:] == full[-tail:]
     text = decode(ids)
     for kept in ("- be concise", "- cite sources", QUERY, "START_A", "END_A", "START_B", "END_B",
@@ -155,19 +167,19 @@ def test_shortening_keeps_the_tail_and_cuts_middles():
     assert "MIDDLE_A" not in text and "MIDDLE_B" not in text  # the middles went
     assert text.count(ELLIPSIS.strip()) == 2
     assert text.index("START_A") < text.index("END_A") < text.index("START_B") < text.index("END_B")
-    assert enc.stats == LengthStats(rendered=1, shortened=1, dropped=0)
 
 
 def test_tail_is_never_cut_at_any_limit():
     a, b = answer(long_text("A", 40)), answer(long_text("B", 40))
-    full = PromptEncoder(TOK, max_tokens=10_000).pairwise(CRITERIA, QUERY, a, b)
+    full = pair_ids(PromptEncoder(TOK, max_tokens=10_000), CRITERIA, QUERY, a, b)
     tail = tail_len(full, "END_B")
     enc = PromptEncoder(TOK, min_turn_tokens=16)
     outcomes = []
     for limit in range(len(full) + 5, 0, -7):
         enc.max_tokens = limit
-        ids = enc.pairwise(CRITERIA, QUERY, a, b)
+        ids, shortened = pair_fit(enc, CRITERIA, QUERY, a, b)
         outcomes.append(ids is not None)
+        assert shortened == (ids is not None and limit < len(full)), limit
         if ids is None:
             continue
         assert len(ids) <= limit
@@ -178,32 +190,27 @@ def test_tail_is_never_cut_at_any_limit():
     assert True in outcomes and False in outcomes
     # Once an example cannot fit, no smaller limit fits it either.
     assert outcomes == sorted(outcomes, reverse=True)
-    shortened = sum(1 for ok, limit in zip(outcomes, range(len(full) + 5, 0, -7))
-                    if ok and limit < len(full))
-    assert enc.stats == LengthStats(rendered=len(outcomes), shortened=shortened,
-                                    dropped=outcomes.count(False))
 
 
 def test_short_answer_stays_whole_while_the_long_one_is_cut():
     short = "The moon pulls the water toward it."
     a, b = answer(short), answer(long_text("B", 80))
-    full = PromptEncoder(TOK, max_tokens=10_000).pairwise(CRITERIA, QUERY, a, b)
+    full = pair_ids(PromptEncoder(TOK, max_tokens=10_000), CRITERIA, QUERY, a, b)
     enc = PromptEncoder(TOK, max_tokens=len(full) - 150)
-    text = decode(enc.pairwise(CRITERIA, QUERY, a, b))
+    text = decode(pair_ids(enc, CRITERIA, QUERY, a, b))
     assert f"## Response A\n{short}\n" in text
     assert "START_B" in text and "END_B" in text and "MIDDLE_B" not in text
     # B is shown last: swapping the roles keeps the short answer whole in slot B too.
-    text = decode(enc.pairwise(CRITERIA, QUERY, b, a))
+    text = decode(pair_ids(enc, CRITERIA, QUERY, b, a))
     assert text.endswith(f"## Response B\n{short}\n\n{CLOSING}<|im_end|>\n")
-    assert enc.stats.shortened == 2
 
 
 def test_multi_turn_turns_survive_shortening():
     conv = (Message("assistant", long_text("X", 50)), Message("user", "and the spring tides?"),
             Message("assistant", long_text("Y", 50)))
-    full = PromptEncoder(TOK, max_tokens=10_000).pairwise(CRITERIA, QUERY, conv, answer("short"))
+    full = pair_ids(PromptEncoder(TOK, max_tokens=10_000), CRITERIA, QUERY, conv, answer("short"))
     enc = PromptEncoder(TOK, max_tokens=len(full) - 200)
-    text = decode(enc.pairwise(CRITERIA, QUERY, conv, answer("short")))
+    text = decode(pair_ids(enc, CRITERIA, QUERY, conv, answer("short")))
     order = [text.index(s) for s in ("Assistant: START_X", "END_X", "User: and the spring tides?",
                                      "Assistant: START_Y", "END_Y", "## Response B\nshort")]
     assert order == sorted(order)
@@ -212,47 +219,41 @@ def test_multi_turn_turns_survive_shortening():
 
 def test_pointwise_shortening_keeps_the_tail():
     conv = answer(long_text("R", 80))
-    full = PromptEncoder(TOK, max_tokens=10_000).pointwise(CRITERIA, QUERY, conv)
+    full = point_ids(PromptEncoder(TOK, max_tokens=10_000), CRITERIA, QUERY, conv)
     tail = tail_len(full, "END_R")
     enc = PromptEncoder(TOK, max_tokens=len(full) // 2)
-    ids = enc.pointwise(CRITERIA, QUERY, conv)
+    ids = point_ids(enc, CRITERIA, QUERY, conv)
     assert len(ids) <= len(full) // 2 and ids[-tail:] == full[-tail:]
     assert "START_R" in decode(ids) and "MIDDLE_R" not in decode(ids)
 
 
 @pytest.mark.parametrize("limit", [1, 30])
-def test_too_small_limit_drops_and_counts(limit):
+def test_too_small_limit_drops(limit):
     enc = PromptEncoder(TOK, max_tokens=limit)
-    assert enc.pairwise(CRITERIA, QUERY, answer(long_text("A")), answer("b")) is None
-    assert enc.pointwise(CRITERIA, QUERY, answer("tiny")) is None
-    assert enc.stats == LengthStats(rendered=2, shortened=0, dropped=2)
+    assert pair_fit(enc, CRITERIA, QUERY, answer(long_text("A")), answer("b")) == Fit(None, False)
+    assert enc.fit_pointwise([(CRITERIA, QUERY, answer("tiny"))]) == [Fit(None, False)]
 
 
 def test_min_turn_tokens_decides_between_shortening_and_dropping():
     a, b = answer(long_text("A")), answer(long_text("B"))
-    full = PromptEncoder(TOK, max_tokens=10_000).pairwise(CRITERIA, QUERY, a, b)
+    full = pair_ids(PromptEncoder(TOK, max_tokens=10_000), CRITERIA, QUERY, a, b)
     fixed = len(full) - sum(len(TOK(m.content, add_special_tokens=False)["input_ids"]) for m in a + b)
     limit = fixed + 2 * 40 + 20  # room for about 40 tokens of each answer
-    assert PromptEncoder(TOK, max_tokens=limit, min_turn_tokens=16).pairwise(CRITERIA, QUERY, a, b)
+    assert pair_ids(PromptEncoder(TOK, max_tokens=limit, min_turn_tokens=16), CRITERIA, QUERY, a, b)
     strict = PromptEncoder(TOK, max_tokens=limit, min_turn_tokens=60)
-    assert strict.pairwise(CRITERIA, QUERY, a, b) is None
-    assert strict.stats.dropped == 1
+    assert pair_fit(strict, CRITERIA, QUERY, a, b) == Fit(None, False)
 
 
-def test_stats_counters_add_up():
+def test_fits_say_which_prompts_were_shortened():
     enc = PromptEncoder(TOK, max_tokens=200)
     items = [(CRITERIA, QUERY, answer("a"), answer("b")),  # fits
              (CRITERIA, QUERY, answer(long_text("A", 30)), answer(long_text("B", 30))),  # shortened
              (CRITERIA, QUERY, answer("a"), answer("b" * 10))]  # fits
-    out = enc.pairwise_many(items)
-    assert [o is not None for o in out] == [True, True, True]
-    assert enc.stats == LengthStats(rendered=3, shortened=1, dropped=0)
+    fits = enc.fit_pairwise(items)
+    assert [f.shortened for f in fits] == [False, True, False]
+    assert all(f.ids is not None for f in fits)
     enc.max_tokens = 5
-    assert enc.pointwise_many([(CRITERIA, QUERY, answer("a"))] * 2) == [None, None]
-    assert enc.stats == LengthStats(rendered=5, shortened=1, dropped=2)
-    total = LengthStats(1, 2, 3)
-    total.add(enc.stats)
-    assert total == LengthStats(6, 3, 5)
+    assert enc.fit_pointwise([(CRITERIA, QUERY, answer("a"))] * 2) == [Fit(None, False)] * 2
 
 
 def test_water_level():

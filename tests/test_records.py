@@ -13,7 +13,6 @@ from crm.records import (
     TestRecord,
     TrainRecord,
     load_records,
-    message_dicts,
     parse_bench,
     parse_test,
     parse_train,
@@ -22,6 +21,10 @@ from crm.records import (
 
 QUERY = "What is 2 + 2?"
 DROP = object()  # a field value meaning "leave the field out"
+
+
+def message_dicts(conversation) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in conversation]
 
 
 def conv(answer: str, query: str = QUERY) -> list[dict]:
