@@ -32,9 +32,10 @@ def shard_order(shards: list[ShardInfo], seed: int, epoch: int, shuffle: bool) -
 
 
 def rank_range(total: int, rank: int, world: int) -> tuple[int, int]:
-    base, extra = divmod(total, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+    """Rank `rank`'s contiguous part of `total` records, split evenly over `world` ranks."""
+    sizes = even_split(total, world)
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
 
 
 def batches_per_rank(total: int, world: int, batch_size: int) -> int:
@@ -47,9 +48,10 @@ def batches_per_rank(total: int, world: int, batch_size: int) -> int:
     return -(-total // (world * batch_size))  # ceil; then K * batch_size >= every rank's share
 
 
-def batch_sizes(n_records: int, n_batches: int) -> list[int]:
-    base, extra = divmod(n_records, n_batches)
-    return [base + (i < extra) for i in range(n_batches)]
+def even_split(n: int, parts: int) -> list[int]:
+    """`n` items in `parts` sizes that differ by at most one, the larger first."""
+    base, extra = divmod(n, parts)
+    return [base + (i < extra) for i in range(parts)]
 
 
 def rank_segments(shards: list[ShardInfo], keep_ties: bool, start: int, stop: int) -> list[Segment]:
@@ -88,4 +90,4 @@ def plan_rank(shards: list[ShardInfo], *, rank: int, world: int, batch_size: int
                          f"{world - 1} gets {total // world} records for {k} batches; lower the "
                          "batch size or the number of ranks")
     order = shard_order(shards, seed, epoch, shuffle)
-    return RankPlan(rank_segments(order, keep_ties, start, stop), batch_sizes(stop - start, k))
+    return RankPlan(rank_segments(order, keep_ties, start, stop), even_split(stop - start, k))

@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import random
 import tarfile
 from pathlib import Path
 
 from crm.data.manifest import write_manifest
+from crm.data.plan import even_split
 from crm.records import read_lines
 from crm.transforms import CriteriaPool
 
@@ -32,9 +34,7 @@ def sample_key(file_index: int, n_files: int, line: int) -> str:
 
 
 def balanced_sizes(n: int, max_size: int) -> list[int]:
-    n_shards = max(1, -(-n // max_size)) if n else 0
-    base, extra = divmod(n, n_shards) if n_shards else (0, 0)
-    return [base + (i < extra) for i in range(n_shards)]
+    return even_split(n, math.ceil(n / max_size)) if n else []
 
 
 def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
