@@ -1,12 +1,13 @@
 # `make demo` and `make test` are the only set-up a fresh machine needs: each creates .venv if
-# missing, installs the package (editable, with the dev extra) and runs.
+# missing, installs the package (editable, with the dev extra) and runs. `make lint` runs ruff
+# (pyproject.toml).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is pinned on the same command line as the package: alone, pip would pull a CUDA build.
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 
-.PHONY: install demo test test-all clean
+.PHONY: install demo test lint clean
 
 install: $(BIN)/.installed
 
@@ -31,12 +32,13 @@ demo: install
 	  labels.criteria=detailed 'criteria=["I prefer detailed answers that cover everything."]' \
 	  labels.contrast=concise 'contrast=["I prefer short, to-the-point answers."]'
 
+# The whole suite, the end-to-end tests marked slow included (about 10 minutes on 2 cores);
+# `$(BIN)/python -m pytest -m "not slow"` leaves those out while you work.
 test: install
 	$(BIN)/python -m pytest -q
 
-# Includes the end-to-end tests marked slow.
-test-all: install
-	$(BIN)/python -m pytest -q -m ''
+lint: install
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -15,6 +15,7 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "scipy==1.17.1",
     "matplotlib==3.11.2",
+    "filelock==4.2.11",
 ]
 
 setup(
@@ -32,7 +33,7 @@ setup(
         "gpu": ["flash-attn==2.8.3"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
         # The tests compose the SLURM launcher config too, so dev includes the slurm extra.
-        "dev": ["pytest==9.2.0", "trl==1.16.0", "hydra-submitit-launcher==1.2.0"],
+        "dev": ["pytest==9.2.0", "ruff==0.17.5", "trl==1.16.0", "hydra-submitit-launcher==1.2.0"],
     },
     entry_points={
         "console_scripts": [

@@ -9,8 +9,9 @@ kept, and only each candidate's tokens (its response and the template's tail) ru
   right before conversation B; otherwise examples that share criteria and query (the swapped order
   of a leaderboard, or the responses of a pointwise model to one query) are split right before
   their first conversation. A group of rows takes the prefix path only when that saves at least
-  crm.prefix_reuse.PREFIX_MIN_SAVING of its tokens: the N + 1 responses of a pointwise leaderboard query do, the two
-  responses of a pointwise test pair usually do not. Everything else takes the plain path.
+  crm.prefix_reuse.PREFIX_MIN_SAVING of its tokens: the N + 1 responses of a pointwise leaderboard
+  query do, the two responses of a pointwise test pair usually do not. Everything else takes the
+  plain path.
 - How: crm.prefix_reuse runs each shared prefix once and only the rows' suffixes over its cached
   keys and values; a row whose tokens differ at the split, or a group that would save too little,
   takes the plain path. `counts` says how many did (split_mismatch, prefix_declined,

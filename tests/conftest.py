@@ -1,8 +1,11 @@
 """Fixtures shared by the test modules."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from helpers import TINY_DEMO
 
 
 @pytest.fixture(scope="module")
@@ -13,3 +16,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory) -> Path:
+    """A paths.root_dir whose cache holds the (small) demo data, generated once per session."""
+    from hydra import compose, initialize_config_module
+
+    from crm.data.demo import prepare_demo
+
+    root = tmp_path_factory.mktemp("crm_root")
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        cfg = compose("train", overrides=[*TINY_DEMO, f"paths.root_dir={root}"])
+    shard_dir = prepare_demo(cfg.data.path, **cfg.data.demo)
+    assert (shard_dir / "manifest.json").is_file()
+    return root

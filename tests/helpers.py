@@ -14,6 +14,8 @@ from crm.data.manifest import load_manifest, write_manifest
 from crm.prompts import PAIRWISE_TEMPLATE, POINTWISE_TEMPLATE
 
 WINNERS = ("model_a", "model_b")
+# A small demo data set (crm-train's data=demo with these overrides): seconds to generate.
+TINY_DEMO = ["data.demo.n_train=200", "data.demo.n_test=20", "data.demo.n_bench=4"]
 
 # Words the tiny tokenizer learns merges from; anything else still encodes (byte-level BPE).
 CORPUS = [

@@ -173,7 +173,8 @@ def sbatch_lines(script: Path) -> list[str]:
 def test_sbatch_directives_all_come_before_the_first_command(script):
     # sbatch stops reading #SBATCH lines at the first line that is not a comment.
     lines = script.read_text().splitlines()
-    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#"))
+    first_command = next(i for i, line in enumerate(lines)
+                         if line.strip() and not line.lstrip().startswith("#"))
     last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     assert last_directive < first_command
 
@@ -669,7 +670,8 @@ def test_train_sbatch_end_to_end_preempted_requeued_and_resumed(tmp_path):
     # SLURM starts the same script again, with the same job id, as restart 1.
     second = fake.run(TRAIN_SBATCH, *overrides, f"trainer.max_steps={saved + 2}", timeout=300,
                       SLURM_RESTART_COUNT="1", **env)
-    assert second.returncode == 0, second.stdout + second.stderr + (fake.dir / "task0.log").read_text()[-3000:]
+    assert second.returncode == 0, (second.stdout + second.stderr
+                                    + (fake.dir / "task0.log").read_text()[-3000:])
     metrics = json.loads((fake.run_dir / "metrics.json").read_text())
     assert metrics["preempted"] is False and metrics["train"]["global_step"] == saved + 2
     assert metrics["train"]["resumed_from"] == str(fake.run_dir / "checkpoints" / "last.ckpt")

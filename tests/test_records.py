@@ -201,7 +201,8 @@ def test_one_file_with_every_defect_between_good_lines(tmp_path, fmt, make, defe
 
 
 def test_read_lines_detects_the_format_from_the_first_object(tmp_path):
-    for fmt, make, record_type in (("train", make_train_obj, TrainRecord), ("test", make_test_obj, TestRecord)):
+    for fmt, make, record_type in (("train", make_train_obj, TrainRecord),
+                                   ("test", make_test_obj, TestRecord)):
         path = tmp_path / f"{fmt}.jsonl"
         # a broken and a non-object first line must not decide the format
         _write(path, ["{not json", "[1]", line(make()), line(make())])
@@ -315,8 +316,8 @@ def test_load_records_returns_records_or_raises_the_first_error(tmp_path):
     assert all(isinstance(r, TrainRecord) for r in records)
 
     dirty = tmp_path / "dirty.jsonl"
-    _write(dirty, [line(make_train_obj()), "", line(make_train_obj(model_b=[])), line(make_train_obj(idx=DROP)),
-                   "{oops"])
+    _write(dirty, [line(make_train_obj()), "", line(make_train_obj(model_b=[])),
+                   line(make_train_obj(idx=DROP)), "{oops"])
     with pytest.raises(RecordError) as info:
         load_records(dirty, "train")
     assert (info.value.line, info.value.field) == (3, "model_b")

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from test_train import compose_train, demo_root, run_train  # noqa: F401 (fixture)
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+from test_train import compose_train, run_train
 
 from crm.cli.report import main as report_main
 from crm.report import read_runs, table
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

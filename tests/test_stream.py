@@ -147,7 +147,7 @@ def test_epochs_reshuffle_and_redraw(shards3):
     o0, o1 = list(other), list(other)
     assert sorted(keys_of(e0) + keys_of(o0)) == sorted(keys_of(e1) + keys_of(o1)) == sorted(DECIDED)
     # Transforms re-draw each epoch (swap_prob 0.5): some key changes its label between epochs.
-    labels = [{k: int(l) for b in ep for k, l in zip(b["keys"], b["labels"])} for ep in (e0 + o0, e1 + o1)]
+    labels = [{k: int(y) for b in ep for k, y in zip(b["keys"], b["labels"])} for ep in (e0 + o0, e1 + o1)]
     assert any(labels[0][k] != labels[1][k] for k in DECIDED)
 
 
@@ -163,7 +163,7 @@ def test_single_shard_epochs_reshuffle_within_the_same_share(tmp_path):
 def test_no_redraw_keeps_labels_and_validation_order_is_fixed(shards3):
     loader = make_loader(shards3, transform=TransformConfig(redraw_each_epoch=False))
     e0, e1 = list(loader), list(loader)
-    labels = [{k: int(l) for b in ep for k, l in zip(b["keys"], b["labels"])} for ep in (e0, e1)]
+    labels = [{k: int(y) for b in ep for k, y in zip(b["keys"], b["labels"])} for ep in (e0, e1)]
     assert labels[0] == labels[1]
     fixed = make_loader(shards3, shuffle=False)
     v0, v1 = list(fixed), list(fixed)
@@ -496,10 +496,10 @@ def test_direction_warmup_counts_batches_across_epochs_and_resume(shards3, worke
 
 
 def test_pairwise_ties_kept_get_the_tie_label(shards3):
-    labels = {k: int(l) for b in make_loader(shards3, ties="keep")
-              for k, l in zip(b["keys"], b["labels"])}
+    labels = {k: int(y) for b in make_loader(shards3, ties="keep")
+              for k, y in zip(b["keys"], b["labels"])}
     assert set(labels) == DECIDED | TIES
-    assert {k for k, l in labels.items() if l == LABEL_TIE} == TIES
+    assert {k for k, y in labels.items() if y == LABEL_TIE} == TIES
     assert {labels[k] for k in DECIDED} <= {LABEL_A, LABEL_B}
 
 
@@ -531,7 +531,6 @@ def test_length_policy_counts_in_batches(mixed_lengths):
     batches = list(make_loader(shards, max_tokens=limit))
     assert sorted(keys_of(batches)) == sorted(lengths)
     for b in batches:
-        n = len(b["keys"])
         assert int(b["dropped"]) == 0
         assert int(b["shortened"]) == sum(k in long for k in b["keys"])
         assert b["input_ids"].shape[1] <= limit
@@ -577,8 +576,8 @@ def test_padding_and_rows_match_the_prompt_encoder(mixed_lengths):
     loader = make_loader(shards, max_tokens=limit, seed=5, tokenizer=tok)
     encoder = PromptEncoder(tok, max_tokens=limit, min_turn_tokens=16)
     records = {}
-    for shard in shards:
-        records.update((k, parse_train(obj)) for k, obj in iter_shard(shard.url))
+    for info in shards:
+        records.update((k, parse_train(obj)) for k, obj in iter_shard(info.url))
     padded_somewhere = False
     for epoch in range(2):
         for b in loader:

@@ -14,14 +14,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import run_as_job, tiny_tokenizer
+from helpers import TINY_DEMO, run_as_job, tiny_tokenizer
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
 
 import crm_configs
 from crm.checkpoint import load_checkpoint, model_weights
 from crm.cli.train import train, transform_config
-from crm.data.demo import prepare_demo
 from crm.lit.module import CRMModule, OptimConfig
 from crm.lit.trainer import accumulation, world_size
 from crm.models.factory import build_crm
@@ -33,7 +32,6 @@ TINY_MODEL = ["model.arch.hidden_size=32", "model.arch.num_hidden_layers=1",
               "model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=1",
               "model.arch.head_dim=16", "model.arch.intermediate_size=64",
               "model.arch.max_position_embeddings=512", "model.vocab_size=1024"]
-TINY_DEMO = ["data.demo.n_train=200", "data.demo.n_test=20", "data.demo.n_bench=4"]
 # Two optimizer steps of 4 records, no sanity-check validation, no export; validation only when a
 # test asks for it.
 FAST = ["micro_batch_size=4", "global_batch_size=4", "torch_threads=1", "stream.max_tokens=256",
@@ -71,16 +69,6 @@ def run_train(root: Path, run_dir: Path, *overrides: str, tiny: bool = True,
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="session")
-def demo_root(tmp_path_factory) -> Path:
-    """A paths.root_dir whose cache holds the (small) demo data, generated once per session."""
-    root = tmp_path_factory.mktemp("crm_root")
-    cfg = compose_train([*TINY_DEMO, f"paths.root_dir={root}"])
-    shard_dir = prepare_demo(cfg.data.path, **cfg.data.demo)
-    assert (shard_dir / "manifest.json").is_file()
-    return root
 
 
 def last_ckpt(run_dir: Path) -> dict:

@@ -363,8 +363,9 @@ def test_record_rng_is_the_same_in_another_process_with_another_hash_seed():
     expected = _draws_and_examples(spec)
     for hash_seed in ("1", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
-        child = subprocess.run([sys.executable, "-c", CHILD, os.path.dirname(__file__)], input=json.dumps(spec), env=env,
-                               capture_output=True, text=True, timeout=60, check=True)
+        child = subprocess.run([sys.executable, "-c", CHILD, os.path.dirname(__file__)],
+                               input=json.dumps(spec), env=env, capture_output=True, text=True,
+                               timeout=60, check=True)
         assert json.loads(child.stdout) == expected
 
 
