@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from crm.parallel import SHARDED_META, is_complete_checkpoint
 from crm.prompts import PromptTemplate
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,6 @@ def load_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
-    from crm.parallel import SHARDED_META, is_complete_checkpoint
-
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{path}: no checkpoint file, and no complete sharded checkpoint "
                                 f"dir (.metadata and {SHARDED_META})")
@@ -126,8 +125,6 @@ def resolve_resume(resume, run_dir: Path) -> str | None:
     A sharded checkpoint is swapped into place only when complete (crm.parallel.FSDPStrategy); a
     job killed between the swap's two renames leaves the complete `.partial` or `.old` copy.
     """
-    from crm.parallel import is_complete_checkpoint
-
     if resume in (None, False, "false", "False"):
         return None
     if resume == "auto":

@@ -389,6 +389,30 @@ def test_fsdp_checkpoints_export_consolidated_to_plain_transformers(runs, tmp_pa
         assert diff <= LOGIT_ATOL, (pair, diff)
 
 
+@slow
+def test_a_scorer_reads_an_fsdp_sharded_checkpoint_as_it_is(runs, root, tmp_path):
+    """CRMScorer straight from the shards (no export first), as from that checkpoint's export, and
+    as from the DDP run's single-file checkpoint of the same step."""
+    from crm.checkpoint import export_checkpoint
+    from crm.records import load_records
+    from crm.scoring import CRMScorer
+    from crm.transforms import eval_example
+
+    sharded = runs.fsdp / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in sharded.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    test_file = root / ".cache" / "demo" / "raw" / "test" / "in_distribution.jsonl"
+    examples = [eval_example(r) for r in load_records(test_file, "test")[:16]]
+    cpu = {"device": torch.device("cpu"), "dtype": torch.float32}
+    probs = CRMScorer.load(sharded, **cpu).pair_probabilities(examples)
+    exported = export_checkpoint(sharded, tmp_path / "export")
+    torch.testing.assert_close(CRMScorer.load(exported, **cpu).pair_probabilities(examples), probs,
+                               rtol=0, atol=0)
+    ddp = CRMScorer.load(runs.ddp / "checkpoints" / "last.ckpt", **cpu).pair_probabilities(examples)
+    print(f"sharded vs DDP checkpoint: max |P difference| {(probs - ddp).abs().max().item():.2e}")
+    torch.testing.assert_close(ddp, probs, rtol=0, atol=LOGIT_ATOL)
+    assert probs[:, :2].sum(1).allclose(torch.ones(len(examples)))
+
+
 # -- 5. a simulated 2-node SLURM job --------------------------------------------------------------
 
 def slurm_job(root: Path, job_id: str, ntasks: int, *overrides: str, path_prefix=None,

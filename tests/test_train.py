@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from helpers import TINY_DEMO, run_as_job, tiny_tokenizer
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
+from transformers import AutoTokenizer
 
 import crm_configs
 from crm.checkpoint import load_checkpoint, model_weights
@@ -25,6 +27,7 @@ from crm.lit.module import CRMModule, OptimConfig
 from crm.lit.trainer import accumulation, world_size
 from crm.models.factory import build_crm
 from crm.padding import pad_rows
+from crm.records import Message
 
 CONFIG_DIR = Path(crm_configs.__file__).parent
 
@@ -188,7 +191,6 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from crm.models.crm import last_token_logits
-    from crm.records import Message
     from crm.scoring import CRMScorer
 
     run_dir = tmp_path / "run"
@@ -248,6 +250,98 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
         p_a = torch.sigmoid(plain[0, 0] - plain[1, 0]).item()
     p_scorer = scorer.compare(criteria, query, a[0].content, b[0].content)
     assert p_scorer == pytest.approx(p_a, abs=1e-5)
+
+
+# -- 3b. self-describing checkpoints, the prompt template, callbacks from the config -------------
+
+def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path):
+    """A checkpoint carries its tokenizer, HF config and template: no path into the run dir."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from crm.cli.export import main as export_main
+    from crm.scoring import CRMScorer
+
+    run_dir = tmp_path / "run"
+    run_train(demo_root, run_dir, "save_every_n_steps=2")  # the tiny BPE is trained into run/tokenizer
+    vocabulary = AutoTokenizer.from_pretrained(run_dir / "tokenizer").get_vocab()
+    moved = tmp_path / "elsewhere" / "renamed"
+    moved.parent.mkdir()
+    run_dir.rename(moved)
+    shutil.rmtree(moved / "tokenizer")  # not even the run's own copy is needed
+    checkpoint, out = moved / "checkpoints" / "last.ckpt", tmp_path / "export"
+    assert export_main([str(checkpoint), str(out)]) == 0
+    meta = json.loads((out / "crm.json").read_text())
+    assert meta["global_step"] == 2 and meta["source"] == str(checkpoint)
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == vocabulary
+    saved = model_weights(load_checkpoint(checkpoint))
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == saved.keys()
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
+    # The scorer reads the moved checkpoint as it reads the export.
+    pair = [(["answers concisely"], "how do I boil an egg?", "Nine minutes.", "No idea.")]
+    from_ckpt = CRMScorer.load(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
+    from_export = CRMScorer.load(out, device=torch.device("cpu"), dtype=torch.float32)
+    torch.testing.assert_close(from_ckpt.compare_many(pair), from_export.compare_many(pair),
+                               rtol=0, atol=0)
+
+
+CUSTOM = "C: {criteria} | Q: {query} | 1: {conversation_a} | 2: {conversation_b} | which one?"
+SYSTEM = "You judge by the criteria."
+
+
+def test_a_custom_template_trains_and_survives_export(demo_root, tmp_path, monkeypatch):
+    from crm.prompts import PromptTemplate
+    from crm.scoring import CRMScorer
+
+    seen = []
+    original = CRMModule.training_step
+
+    def training_step(self, batch, batch_idx):
+        seen.append(batch["input_ids"][0, :int(batch["attention_mask"][0].sum())].tolist())
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(CRMModule, "training_step", training_step)
+    run_dir = tmp_path / "run"
+    run_train(demo_root, run_dir, f"template.pairwise='{CUSTOM}'", f"template.system='{SYSTEM}'",
+              "val_every_n_steps=2", "export=true")
+    expected = PromptTemplate(pairwise=CUSTOM, system=SYSTEM)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "export")
+    trained = tokenizer.decode(seen[0])
+    assert trained.startswith(f"<|im_start|>system\n{SYSTEM}") and "| which one?" in trained
+    for source in (run_dir / "export", run_dir / "checkpoints" / "best.ckpt"):
+        scorer = CRMScorer.load(source, device=torch.device("cpu"), dtype=torch.float32)
+        assert scorer.template == expected, source
+        a, b = (Message("assistant", "a"),), (Message("assistant", "b"),)
+        (ids,) = scorer.encoder.pairwise_many([(("brief",), "q?", a, b)])
+        assert tokenizer.decode(ids).endswith("| 1: a | 2: b | which one?<|im_end|>\n")
+    assert json.loads((run_dir / "export" / "crm.json").read_text())["template"]["pairwise"] == CUSTOM
+
+
+def test_a_template_with_an_unknown_field_is_refused_before_training(demo_root, tmp_path):
+    with pytest.raises(ValueError, match="template pairwise: KeyError\\('answer'\\)"):
+        run_train(demo_root, tmp_path / "run", "template.pairwise='{criteria} {answer}'")
+
+
+def test_callbacks_from_the_config_join_the_run(demo_root, tmp_path):
+    extra = tmp_path / "every_step"
+    run_train(demo_root, tmp_path / "run",
+              f"+callbacks.every_step={{_target_: lightning.pytorch.callbacks.ModelCheckpoint, "
+              f"dirpath: '{extra}', every_n_train_steps: 1, save_top_k: -1}}")
+    assert sorted(p.name for p in extra.iterdir()) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    with pytest.raises(ValueError, match="callbacks.best: the name of one of crm's own callbacks"):
+        run_train(demo_root, tmp_path / "other",
+                  "+callbacks.best={_target_: lightning.pytorch.callbacks.Timer}")
+
+
+def test_logger_wandb_runs_offline(demo_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    run_dir = tmp_path / "run"
+    run_train(demo_root, run_dir, "logger=wandb", "logger.project=crm-test", "logger.tags=[a]")
+    (run,) = (run_dir / "wandb").glob("offline-run-*")
+    assert list(run.glob("*.wandb"))
 
 
 # -- 4. resume ------------------------------------------------------------------------------------

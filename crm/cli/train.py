@@ -43,7 +43,7 @@ def train(cfg: DictConfig) -> dict | None:
     """The run; its metrics on global rank 0, None on the other ranks."""
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    check(cfg)
+    check_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -95,7 +95,7 @@ def train(cfg: DictConfig) -> dict | None:
     return metrics
 
 
-def check(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> None:
     """Settings that cannot work, refused before anything runs."""
     if str(cfg.trainer.precision).endswith("-mixed") and cfg.model.dtype != "float32":
         # Lightning's mixed precision autocasts the compute and never converts the parameters:

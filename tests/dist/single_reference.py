@@ -17,8 +17,9 @@ from dataclasses import replace
 import torch
 
 import crm.cli.train
-from crm.data.stream import PairStream, StreamLoader, pad_rows
+from crm.data.stream import PairStream, StreamLoader
 from crm.lit.datamodule import CRMDataModule
+from crm.padding import pad_rows
 
 WORLD = 2
 
@@ -38,7 +39,7 @@ def concat_batches(batches: list[dict], pad_id: int) -> dict:
                 + [r for b in per_batch for r in b[len(b) // 2:]])
     out = pad_rows(rows, pad_id)
     out.update(keys=[k for b in batches for k in b["keys"]], position=batches[0]["position"],
-               **{name: sum(b[name] for b in batches) for name in ("rendered", "shortened", "dropped")})
+               **{name: sum(b[name] for b in batches) for name in ("shortened", "dropped")})
     if "labels" in batches[0]:
         out["labels"] = torch.cat([b["labels"] for b in batches])
     return out
