@@ -36,6 +36,7 @@ from crm.models.tokenizer import load_or_train_tokenizer
 from crm.parallel import DTYPES, ParallelConfig
 from crm.prompts import PromptTemplate
 from crm.report import parse_overrides
+from crm.scoring import CRMScorer
 from crm.transforms import TransformConfig
 
 
@@ -86,8 +87,6 @@ def train(cfg: DictConfig) -> dict | None:
     if not trainer.is_global_zero:
         return None
     if "export" in callbacks and not metrics["preempted"] and cfg.evaluate and cfg.data.test_files:
-        from crm.scoring import CRMScorer
-
         scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
         metrics["eval"], _ = evaluate_files(scorer, cfg.data.test_files)
     metrics["wall_seconds"] = round(time.time() - started, 1)
