@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from crm.errors import ConfigError
 from crm.parallel import SHARDED_META, is_complete_checkpoint
 from crm.prompts import PromptTemplate
 
@@ -137,6 +138,6 @@ def resolve_resume(resume, run_dir: Path) -> str | None:
                 log.warning("ignoring the incomplete checkpoint %s", candidate)
         return None
     if not is_complete_checkpoint(resume):
-        raise FileNotFoundError(f"resume={resume}: no such checkpoint, or an incomplete one")
+        raise ConfigError(f"resume={resume}: no such checkpoint, or an incomplete one")
     return str(resume)
 

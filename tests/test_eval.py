@@ -138,7 +138,7 @@ def test_crm_eval_refuses_no_files_and_missing_files(tmp_path):
     export = export_tiny(tmp_path / "export")
     with pytest.raises(ValueError, match="no test files"):
         run_cli("eval", evaluate, [f"checkpoint={export}"], tmp_path / "run")
-    with pytest.raises(FileNotFoundError, match="nowhere.jsonl: no such file"):
+    with pytest.raises(ValueError, match="nowhere.jsonl: no such file"):
         run_cli("eval", evaluate, [f"checkpoint={export}", f"data.test=[{tmp_path}/nowhere.jsonl]"],
                 tmp_path / "run")
 

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 import crm_configs
 from crm.cli.common import checkpoint_argument
-from crm.lit.trainer import accumulation, world_size
+from crm.lit.trainer import batch_plan, world_size
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -245,7 +245,8 @@ def test_train_sbatch_runs_crm_train_with_overrides_that_compose(slurm):
     assert world_size(cfg.trainer) == 16
     # The script's own recipe: a whole accumulation on its own shape (256 = 4 x 8 x 2 x 4).
     default = compose_cfg("train", call["argv"][1:-2])
-    assert accumulation(default.global_batch_size, default.micro_batch_size, 16) == 4
+    assert batch_plan(default.global_batch_size, default.micro_batch_size, 16,
+                      default.max_micro_batch_size) == (4, 4)
     assert default.model.name == "qwen3-8b" and default.data.name == "shards"
     env = call["env"]
     assert env["MASTER_ADDR"] == "node-a"  # the allocation's first node

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -22,9 +25,10 @@ from transformers import AutoTokenizer
 
 import crm_configs
 from crm.checkpoint import load_checkpoint, model_weights
+from crm.errors import ConfigError
 from crm.cli.train import train, transform_config
 from crm.lit.module import CRMModule, OptimConfig
-from crm.lit.trainer import accumulation, world_size
+from crm.lit.trainer import batch_plan, world_size
 from crm.models.factory import build_crm
 from crm.padding import pad_rows
 from crm.records import Message
@@ -130,10 +134,20 @@ def test_world_size_and_accumulation_of_the_trainer_configs():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device is visible"):
             world_size(compose_train(["trainer=gpu"]).trainer)
-    assert accumulation(32, 4, 1) == 8
-    assert accumulation(32, 8, 2) == 2
-    with pytest.raises(ValueError, match="not a multiple of micro_batch_size=8 x 3 ranks"):
-        accumulation(32, 8, 3)
+    assert batch_plan(32, 4, 1, 64) == (4, 8)
+    assert batch_plan(32, 8, 2, 64) == (8, 2)
+    with pytest.raises(ConfigError, match="not a multiple of micro_batch_size=8 x 3 ranks"):
+        batch_plan(32, 8, 3, 64)
+
+
+def test_auto_micro_batch_is_the_largest_that_divides_a_ranks_share():
+    assert batch_plan(64, "auto", 1, 64) == (64, 1)  # the demo: unchanged
+    assert batch_plan(64, "auto", 2, 64) == (32, 1)
+    assert batch_plan(64, "auto", 2, 8) == (8, 4)  # capped by the memory bound
+    assert batch_plan(48, "auto", 2, 10) == (8, 3)  # 24 per rank: 8 divides it, 10 does not
+    assert batch_plan(14, "auto", 2, 4) == (1, 7)  # 7 per rank is prime
+    with pytest.raises(ConfigError, match="cannot be split over 3 ranks"):
+        batch_plan(64, "auto", 3, 64)
 
 
 def test_direction_curriculum_steps_become_micro_batches_of_a_rank():
@@ -384,7 +398,7 @@ def test_resume_continues_model_optimizer_and_stream(demo_root, tmp_path, monkey
 
 def test_resume_from_a_missing_path_is_a_clear_error(demo_root, tmp_path):
     missing = tmp_path / "nowhere" / "last.ckpt"
-    with pytest.raises(FileNotFoundError, match=f"resume={missing}: no such checkpoint"):
+    with pytest.raises(ConfigError, match=f"resume={missing}: no such checkpoint"):
         run_train(demo_root, tmp_path / "run", f"resume={missing}")
 
 
@@ -504,9 +518,25 @@ def test_global_batch_is_accumulated_micro_batches(demo_root, tmp_path):
 
 
 def test_global_batch_not_divisible_by_micro_batch_is_refused(demo_root, tmp_path):
-    with pytest.raises(ValueError, match="global_batch_size=10 is not a multiple of "
-                                         "micro_batch_size=4 x 1 ranks"):
+    with pytest.raises(ConfigError, match="global_batch_size=10 is not a multiple of "
+                                          "micro_batch_size=4 x 1 ranks"):
         run_train(demo_root, tmp_path / "run", "global_batch_size=10", "micro_batch_size=4")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["global_batch_size=10", "micro_batch_size=4"], "global_batch_size=10 is not a multiple"),
+    (["trainer.precision=bf16-mixed", "model.dtype=bfloat16"], "keeps float32 master weights"),
+    (["data=shards", "data.path=/nonexistent"], "data.path=/nonexistent: no manifest.json there"),
+    (["model.path=/nonexistent"], "model.path=/nonexistent: no such directory"),
+])
+def test_configuration_errors_are_one_line_without_a_traceback(tmp_path, overrides, message):
+    env = {**os.environ, "CRM_ROOT": str(tmp_path)}
+    done = subprocess.run([str(Path(sys.executable).parent / "crm-train"), *overrides], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("crm-train: ") and message in last
+    assert "Traceback" not in done.stderr and "HYDRA_FULL_ERROR" not in done.stderr
 
 
 # -- 7. early stopping and validation -------------------------------------------------------------

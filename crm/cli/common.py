@@ -1,13 +1,16 @@
 """What more than one entry point reads from its config: the model's architecture (crm-train,
-crm-plan) and the scorer of a checkpoint (crm-eval, crm-leaderboard)."""
+crm-plan), the scorer of a checkpoint (crm-eval, crm-leaderboard), and configuration errors
+reported as one line."""
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from crm.errors import ConfigError
 from crm.parallel import DTYPES
 
 
@@ -25,6 +28,8 @@ def load_scorer(cfg: DictConfig):
 
     from crm.scoring import CRMScorer
 
+    if not Path(cfg.checkpoint).exists():
+        raise ConfigError(f"checkpoint={cfg.checkpoint}: no such export directory or checkpoint")
     device = None if cfg.device == "auto" else torch.device(cfg.device)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     return CRMScorer.load(cfg.checkpoint, batch_size=cfg.batch_size, device=device, dtype=dtype,
@@ -46,3 +51,16 @@ def checkpoint_argument(argv: list[str]) -> list[str]:
             arg = new
         out.append(arg)
     return out
+
+
+def one_line_config_errors(task):
+    """Wraps a Hydra task: a ConfigError (a setting that cannot work) is printed as one line and
+    exits 2; Hydra would print it inside a traceback. Real crashes keep theirs."""
+    @functools.wraps(task)
+    def run(cfg: DictConfig):
+        try:
+            return task(cfg)
+        except ConfigError as exc:
+            print(f"{Path(sys.argv[0]).name}: {exc}", file=sys.stderr)
+            sys.exit(2)
+    return run

@@ -17,7 +17,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from crm.cli.common import checkpoint_argument, load_scorer
+from crm.cli.common import checkpoint_argument, load_scorer, one_line_config_errors
+from crm.errors import ConfigError
 from crm.evaluation import evaluate_files
 from crm.files import write_json
 
@@ -29,10 +30,10 @@ def evaluate(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     paths = list(cfg.data.test or [])
     if not paths:
-        raise ValueError("no test files: crm-eval checkpoint=DIR data.test=[FILE.jsonl,...]")
+        raise ConfigError("no test files: crm-eval checkpoint=DIR data.test=[FILE.jsonl,...]")
     for path in paths:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"data.test: {path}: no such file")
+            raise ConfigError(f"data.test: {path}: no such file")
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     metrics, predictions = evaluate_files(scorer, paths)
@@ -61,6 +62,7 @@ def summary(files: dict) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="eval")
+@one_line_config_errors
 def _main(cfg: DictConfig) -> None:
     result = evaluate(cfg)
     print(summary(result["files"]))

@@ -20,7 +20,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from crm.cli.common import checkpoint_argument, load_scorer
+from crm.cli.common import checkpoint_argument, load_scorer, one_line_config_errors
+from crm.errors import ConfigError
 from crm.files import write_json
 from crm.leaderboard import leaderboard, select
 from crm.leaderboard_render import markdown, plot
@@ -42,11 +43,11 @@ def criteria_sets(cfg: DictConfig) -> tuple[list[str], list[str], tuple[str, str
     criteria, contrast = _lines(cfg.criteria), _lines(cfg.contrast)
     if cfg.default:
         if criteria:
-            raise ValueError("default=true ranks under default_criteria: give criteria=[...] or "
+            raise ConfigError("default=true ranks under default_criteria: give criteria=[...] or "
                              "default=true, not both (contrast=[...] compares with another set)")
         criteria = _lines(cfg.default_criteria)
     if not criteria:
-        raise ValueError("no criteria: criteria=[\"...\",...] (one line each), or default=true")
+        raise ConfigError("no criteria: criteria=[\"...\",...] (one line each), or default=true")
     labels = (cfg.labels.criteria if not cfg.default else "default", cfg.labels.contrast)
     return criteria, contrast, labels
 
@@ -78,6 +79,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="leaderboard")
+@one_line_config_errors
 def _main(cfg: DictConfig) -> None:
     result = run(cfg)
     print(markdown(result))

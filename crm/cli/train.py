@@ -17,11 +17,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from crm.checkpoint import resolve_resume
-from crm.cli.common import model_arch
+from crm.cli.common import model_arch, one_line_config_errors
 from crm.data.demo import prepare_demo
 from crm.data.manifest import load_manifest
 from crm.data.reader import training_texts
 from crm.data.stream import StreamConfig
+from crm.errors import ConfigError
 from crm.evaluation import evaluate_files
 from crm.files import write_json
 from crm.lit.callbacks import CheckpointCard, ExportBest, ShardingReport
@@ -30,7 +31,7 @@ from crm.lit.loggers import make_logger
 from crm.lit.module import CRMModule, OptimConfig
 from crm.lit.preemption import Preemption
 from crm.lit.throughput import Throughput
-from crm.lit.trainer import accumulation, make_trainer, world_size
+from crm.lit.trainer import batch_plan, make_trainer, world_size
 from crm.models.factory import build_crm
 from crm.models.tokenizer import load_or_train_tokenizer
 from crm.parallel import DTYPES, ParallelConfig
@@ -55,8 +56,9 @@ def train(cfg: DictConfig) -> dict | None:
         cfg.model.tokenizer or cfg.model.path, run_dir / "tokenizer", vocab_size=cfg.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), template))
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    accum = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world_size(trainer_args))
-    datamodule = CRMDataModule(shard_dir, tokenizer, stream_config(cfg, template),
+    micro_batch, accum = batch_plan(cfg.global_batch_size, cfg.micro_batch_size,
+                                    world_size(trainer_args), cfg.max_micro_batch_size)
+    datamodule = CRMDataModule(shard_dir, tokenizer, stream_config(cfg, template, micro_batch),
                                transform_config(cfg, accum), num_workers=cfg.stream.num_workers)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     module = CRMModule(partial(build_crm, cfg.loss.kind, **crm_kwargs(cfg, tokenizer, datamodule)),
@@ -79,7 +81,8 @@ def train(cfg: DictConfig) -> dict | None:
         "preempted": callbacks["preemption"].preempted,
         "train": {"global_step": trainer.global_step,
                   "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
-                  "resumed_from": resumed_from, "accumulation": accum, "world_size": trainer.world_size,
+                  "resumed_from": resumed_from, "micro_batch_size": micro_batch,
+                  "accumulation": accum, "world_size": trainer.world_size,
                   "per_rank_memory": callbacks["sharding"].per_rank,
                   "throughput": throughput.last if throughput else None,
                   "wall_seconds": round(time.time() - started, 1)},
@@ -99,24 +102,34 @@ def check_config(cfg: DictConfig) -> None:
     if str(cfg.trainer.precision).endswith("-mixed") and cfg.model.dtype != "float32":
         # Lightning's mixed precision autocasts the compute and never converts the parameters:
         # built in bfloat16, the weights, gradients and AdamW states would all be bfloat16.
-        raise ValueError(f"trainer.precision={cfg.trainer.precision} keeps float32 master weights, "
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision} keeps float32 master weights, "
                          f"but model.dtype={cfg.model.dtype} builds the parameters in that dtype: "
                          "set model.dtype=float32, or trainer.precision=bf16-true")
     if not (cfg.model.path or cfg.model.tokenizer or cfg.model.vocab_size):
-        raise ValueError(f"model={cfg.model.name}: no model.path or model.tokenizer to read a "
+        raise ConfigError(f"model={cfg.model.name}: no model.path or model.tokenizer to read a "
                          "tokenizer from, and no model.vocab_size to train one; set model.path to "
                          "a local checkpoint dir")
+    for key in ("model.path", "model.tokenizer"):
+        value = OmegaConf.select(cfg, key)
+        if value and not Path(value).is_dir():
+            raise ConfigError(f"{key}={value}: no such directory (a local HF checkpoint dir)")
+    if not cfg.data.demo and not (Path(cfg.data.path) / "manifest.json").is_file():
+        raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
+                          "`crm-data shard FILE.jsonl DIR`)")
 
 
 def prompt_template(cfg: DictConfig) -> PromptTemplate:
     """crm's prompt wording with the fields `template` sets (null keeps the default)."""
     fields = OmegaConf.to_container(cfg.template, resolve=True)
-    return PromptTemplate(**{k: v for k, v in fields.items() if v is not None})
+    try:
+        return PromptTemplate(**{k: v for k, v in fields.items() if v is not None})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"template: {exc}") from None
 
 
-def stream_config(cfg: DictConfig, template: PromptTemplate) -> StreamConfig:
+def stream_config(cfg: DictConfig, template: PromptTemplate, micro_batch: int) -> StreamConfig:
     s = cfg.stream
-    return StreamConfig(batch_size=cfg.micro_batch_size, mode=cfg.loss.kind, seed=cfg.seed,
+    return StreamConfig(batch_size=micro_batch, mode=cfg.loss.kind, seed=cfg.seed,
                         max_tokens=s.max_tokens, min_turn_tokens=s.min_turn_tokens,
                         shuffle_buffer=s.shuffle_buffer, window_batches=s.window_batches,
                         template=template)
@@ -171,7 +184,7 @@ def run_callbacks(cfg: DictConfig, run_dir: Path, tokenizer, template: PromptTem
                                          preemption=callbacks["preemption"])
     for name, spec in (cfg.callbacks or {}).items():
         if name in callbacks:
-            raise ValueError(f"callbacks.{name}: the name of one of crm's own callbacks; choose another")
+            raise ConfigError(f"callbacks.{name}: the name of one of crm's own callbacks; choose another")
         callbacks[name] = instantiate(spec)
     return callbacks
 
@@ -193,6 +206,7 @@ def _float(x) -> float | None:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="train")
+@one_line_config_errors
 def main(cfg: DictConfig) -> None:
     metrics = train(cfg)
     if metrics is None:  # not global rank 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from crm.errors import ConfigError
 from crm.lit.preemption import slurm_job_id
 
 
@@ -30,7 +31,7 @@ def make_logger(logger: dict, run_dir: Path, run_name: str, sweep: dict | None =
         return L.pytorch.loggers.WandbLogger(
             project=logger["project"], entity=logger["entity"], group=group, tags=tags,
             name=run_name, save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
-    raise ValueError(f"logger {logger['name']!r}: expected csv, wandb or none")
+    raise ConfigError(f"logger {logger['name']!r}: expected csv, wandb or none")
 
 
 class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):

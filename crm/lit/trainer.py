@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
+from crm.errors import ConfigError
 from crm.parallel import fsdp_strategy
 
 
@@ -22,19 +23,32 @@ def world_size(trainer: dict) -> int:
         gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
         devices = torch.cuda.device_count() if gpu else 1
         if not devices:
-            raise ValueError(f"trainer.devices={trainer['devices']} with trainer.accelerator="
+            raise ConfigError(f"trainer.devices={trainer['devices']} with trainer.accelerator="
                              f"{accelerator}, but no CUDA device is visible")
     elif isinstance(devices, (list, tuple)):
         devices = len(devices)
     return int(devices) * int(trainer.get("num_nodes", 1))
 
 
-def accumulation(global_batch: int, micro_batch: int, world: int) -> int:
-    per_step = micro_batch * world
+def batch_plan(global_batch: int, micro_batch: int | str, world: int,
+               max_micro_batch: int) -> tuple[int, int]:
+    """(micro batch, accumulation) for `global_batch` records per optimizer step over `world` ranks.
+
+    `micro_batch="auto"`: the largest micro batch that divides a rank's share of the global batch,
+    at most `max_micro_batch` (the memory bound), so the same config runs on any world size.
+    """
+    if micro_batch == "auto":
+        if global_batch % world:
+            raise ConfigError(f"global_batch_size={global_batch} cannot be split over {world} ranks; "
+                              "make it a multiple of the number of ranks")
+        per_rank = global_batch // world
+        micro_batch = max(m for m in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % m == 0)
+    per_step = int(micro_batch) * world
     if global_batch % per_step:
-        raise ValueError(f"global_batch_size={global_batch} is not a multiple of micro_batch_size="
-                         f"{micro_batch} x {world} ranks; accumulation must be a whole number")
-    return global_batch // per_step
+        raise ConfigError(f"global_batch_size={global_batch} is not a multiple of micro_batch_size="
+                          f"{micro_batch} x {world} ranks; accumulation must be a whole number "
+                          "(micro_batch_size=auto finds one)")
+    return int(micro_batch), global_batch // per_step
 
 
 def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, callbacks: list,
