@@ -2,7 +2,7 @@
 
 The checkpoints are tiny random Qwen3s written with save_pretrained: a sequence classifier, a
 causal LM (a base model: no classification head, an lm_head that is not read), one with a head of
-another size, one in bfloat16. The sharded load runs at world 2 in a torchrun subprocess
+another size, one in bfloat16, one in several safetensors files. The sharded load runs at world 2 in a torchrun subprocess
 (tests/dist/load_sharded.py) and is compared with plain transformers in this process.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ SHARDED = Path(__file__).parent / "dist" / "load_sharded.py"
 ATOL = 1e-5  # float32
 
 
-def save(model, path: Path) -> Path:
-    model.save_pretrained(path)
+def save(model, path: Path, **kwargs) -> Path:
+    model.save_pretrained(path, **kwargs)
     return path
 
 
@@ -39,9 +39,10 @@ def save(model, path: Path) -> Path:
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     torch.manual_seed(1)
+    classifier = Qwen3ForSequenceClassification(Qwen3Config(**TINY, num_labels=2))
     return {
-        "classifier": save(Qwen3ForSequenceClassification(Qwen3Config(**TINY, num_labels=2)),
-                           root / "classifier"),
+        "classifier": save(classifier, root / "classifier"),
+        "several_files": save(classifier, root / "several_files", max_shard_size="40KB"),
         "causal_lm": save(Qwen3ForCausalLM(Qwen3Config(**TINY)), root / "causal_lm"),
         "three_labels": save(Qwen3ForSequenceClassification(Qwen3Config(**TINY, num_labels=3)),
                              root / "three_labels"),
@@ -153,7 +154,7 @@ def test_on_the_meta_device_nothing_is_read(checkpoints):
 
 def test_sharded_load_at_world_2_gives_the_logits_of_a_plain_load(checkpoints, tmp_path):
     save_file(batch(), tmp_path / "batch.safetensors")
-    names = ["classifier", "causal_lm", "bf16"]
+    names = ["classifier", "several_files", "causal_lm", "bf16"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SHARDED), str(tmp_path / "batch.safetensors"), str(tmp_path),
            *(str(checkpoints[name]) for name in names)]
@@ -167,6 +168,9 @@ def test_sharded_load_at_world_2_gives_the_logits_of_a_plain_load(checkpoints, t
                                rtol=0)
     torch.testing.assert_close(out["classifier"]["inv_freq"], reference.model.rotary_emb.inv_freq,
                                atol=0, rtol=0)
+    assert len(list(checkpoints["several_files"].glob("*.safetensors"))) > 1
+    torch.testing.assert_close(out["several_files"]["logits"], plain_logits(reference), atol=ATOL,
+                               rtol=0)
     torch.testing.assert_close(out["bf16"]["logits"],
                                plain_logits(plain(checkpoints["bf16"], dtype=torch.float32)),
                                atol=ATOL, rtol=0)
