@@ -172,7 +172,8 @@ def main() -> None:
         "max_rank_peak_over_world1_peak": {name: round(r, 3) for name, r in worst.items()},
         # The same without what every process holds before set-up (torch, transformers, Lightning
         # imported, the process group): the part that scales with the model.
-        "max_rank_setup_growth_over_world1": {name: round(r, 3) for name, r in worst_growth.items()},
+        "max_rank_setup_growth_over_world1": {name: round(r, 3)
+                                              for name, r in worst_growth.items()},
         "goal": "crm_world2 max rank peak <= 0.6 x crm_world1 peak",
         "goal_met": worst["crm_world2"] <= 0.6,
     }, indent=2))

@@ -1,7 +1,7 @@
 """Distributed training end to end, on 2 CPU processes (gloo): FSDP2 sharding, loss curves that
 agree across FSDP, DDP and one process on the same global batches (from random init and from a
-pretrained checkpoint loaded into the shards), sharded checkpoints that resume and export, a simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery
-from kill -9.
+pretrained checkpoint loaded into the shards), sharded checkpoints that resume and export, a
+simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
 
 Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
 session in rank 1): Lightning launches rank 1 itself, or, for SLURM, the test starts one process

@@ -2,8 +2,9 @@
 
 The checkpoints are tiny random Qwen3s written with save_pretrained: a sequence classifier, a
 causal LM (a base model: no classification head, an lm_head that is not read), one with a head of
-another size, one in bfloat16, one in several safetensors files. The sharded load runs at world 2 in a torchrun subprocess
-(tests/dist/load_sharded.py) and is compared with plain transformers in this process.
+another size, one in bfloat16, one in several safetensors files. The sharded load runs at world 2
+in a torchrun subprocess (tests/dist/load_sharded.py) and is compared with plain transformers in
+this process.
 """
 from __future__ import annotations
 
@@ -144,10 +145,11 @@ def test_a_checkpoint_without_safetensors_is_an_error(checkpoints, tmp_path):
 
 
 def test_on_the_meta_device_nothing_is_read(checkpoints):
-    crm = build_crm("pairwise", num_labels=2, pad_token_id=None, path=str(checkpoints["classifier"]),
-                    attention="sdpa", device="meta")
+    path = str(checkpoints["classifier"])
+    crm = build_crm("pairwise", num_labels=2, pad_token_id=None, path=path, attention="sdpa",
+                    device="meta")
     assert all(t.is_meta for t in [*crm.parameters(), *crm.buffers()])
-    assert crm.model.name_or_path == str(checkpoints["classifier"])  # what build_sharded loads
+    assert crm.model.name_or_path == path  # what build_sharded loads
 
 
 # -- FSDP2 at world 2 -----------------------------------------------------------------------------

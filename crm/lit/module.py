@@ -43,12 +43,12 @@ class CRMModule(L.LightningModule):
         if self.crm is not None:
             return
         if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel ranks
-            self.crm = build_sharded(self.build_crm, self.device_mesh["data_parallel"], self.parallel)
-            return
-        crm = self.build_crm()
-        if self.parallel.activation_checkpointing:
-            enable_activation_checkpointing(crm)
-        self.crm = crm
+            mesh = self.device_mesh["data_parallel"]
+            self.crm = build_sharded(self.build_crm, mesh, self.parallel)
+        else:
+            self.crm = self.build_crm()
+            if self.parallel.activation_checkpointing:
+                enable_activation_checkpointing(self.crm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["crm_config"] = self.run_config

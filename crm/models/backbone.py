@@ -182,7 +182,7 @@ def init_non_persistent_buffers(model) -> None:
 
 
 def count_parameters(model: torch.nn.Module) -> dict:
-    """Total and non-embedding parameters (shared tensors once), as the Qwen3 model cards count them."""
+    """Total and non-embedding parameters (shared tensors once), as Qwen3's model cards count."""
     seen, total, embedding = set(), 0, 0
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:

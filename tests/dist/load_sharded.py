@@ -1,10 +1,10 @@
 """Loads HF checkpoints as crm-train does under FSDP, then scores one batch with each.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist/load_sharded.py BATCH OUT_DIR CKPT...
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist/load_sharded.py BATCH OUT CKPT...
 
 Per checkpoint: the meta build, FSDP2 sharding, local shards allocated, each rank reading its own
 slices (crm.parallel.build_sharded, as CRMModule.configure_model calls it), with the generator
-seeded 0 before the build. Rank 0 writes OUT_DIR/<checkpoint dir name>.safetensors: the logits of
+seeded 0 before the build. Rank 0 writes OUT/<checkpoint dir name>.safetensors: the logits of
 BATCH (a safetensors file of input_ids and attention_mask), the whole head and RoPE's inv_freq.
 """
 from __future__ import annotations
