@@ -38,6 +38,18 @@ NCCL buffers, allocator reserve).
 The activation figures assume a bf16 residual stream under bf16-mixed, i.e. FSDP2 computing with
 bf16 parameters (MixedPrecisionPolicy(param_dtype=bfloat16)); autocast over fp32 parameters alone
 keeps the residual stream (the block inputs) in fp32, twice the checkpointed term.
+
+Host memory of one node at start-up (`host_startup_plan`), D = GPUs per node, c = bytes per
+parameter of the checkpoint (2: Qwen3 releases are bf16), p = of the parameters:
+- from a checkpoint (model.path; crm.parallel.build_sharded): each rank reads only the slices of
+  its own shards, straight into its GPU. The node reads its share of the checkpoint, P x c x D / W,
+  through the page cache (memory-mapped safetensors: clean pages the kernel can drop), and each
+  rank holds one tensor slice in flight, read and converted: E / W x (c + p), E the largest
+  tensor (bounded here by the root's parameters, the embedding nearly all of them).
+- random init (model.arch, no path): every rank builds the whole model in host memory from the
+  seed, then shards it: D x P x p.
+Neither counts what every process holds anyway (Python, torch, transformers, Lightning imported:
+0.43 GiB measured on CPU by benchmarks/load_memory.py; plus the CUDA context on a GPU).
 """
 from __future__ import annotations
 
@@ -147,4 +159,23 @@ def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size
         "fits_checkpointed": total_ckpt <= usable,
         "fits_full": total_full <= usable,
         "fits": total <= usable,
+    }
+
+
+def host_startup_plan(shape: ModelShape, *, world: int, devices: int, checkpoint_bytes: int = 2,
+                      param_bytes: int = 4) -> dict:
+    """Host memory of one node while the model is set up, GiB: from a checkpoint (each rank
+    reading its slices) and from random init (every rank the whole model); see the docstring."""
+    if world < 1 or devices < 1 or world % devices:
+        raise ValueError(f"world={world}, devices={devices}: the world is whole nodes of devices")
+    P = shape.total_params
+    page_cache = P * checkpoint_bytes * devices / world
+    in_flight = shape.root_params / world * (checkpoint_bytes + param_bytes)
+    return {
+        "checkpoint_bytes_per_param": checkpoint_bytes,
+        "param_bytes_per_param": param_bytes,
+        "pretrained_page_cache_gib": page_cache / GIB,
+        "pretrained_in_flight_per_rank_gib": in_flight / GIB,
+        "pretrained_gib": (page_cache + devices * in_flight) / GIB,
+        "random_init_gib": devices * P * param_bytes / GIB,
     }

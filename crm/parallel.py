@@ -1,14 +1,16 @@
 """The one place that shards a model: FSDP2 `fully_shard` per Qwen3 decoder layer and at the root,
-activation checkpointing per decoder layer, and checkpoints that are never half written.
+activation checkpointing per decoder layer, pretrained weights loaded into the shards, and
+checkpoints that are never half written.
 
 The same code runs on CPU with gloo (tests) and on GPUs with NCCL: Lightning's
-`ModelParallelStrategy` owns the process group and the device mesh; `apply_fsdp` is called from the
-LightningModule's `configure_model` with the mesh's data-parallel dimension.
+`ModelParallelStrategy` owns the process group and the device mesh; `build_sharded` is called from
+the LightningModule's `configure_model` with the mesh's data-parallel dimension.
 """
 from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +57,30 @@ def apply_fsdp(crm: nn.Module, mesh, cfg: ParallelConfig) -> nn.Module:
     fully_shard(crm, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     log.info("FSDP2: %d decoder layers + root sharded over %d ranks (compute %s, reduce %s)",
              len(decoder_layers(crm)), mesh.size(), cfg.param_dtype, cfg.reduce_dtype)
+    return crm
+
+
+def build_sharded(build_crm: Callable[..., nn.Module], mesh, cfg: ParallelConfig) -> nn.Module:
+    """The CRM from `build_crm`, checkpointed and sharded over `mesh`, with its weights.
+
+    From a checkpoint (model.path): built on the meta device (shapes, no storage), sharded, only
+    this rank's shards allocated, then filled from the safetensors, each rank reading its own
+    slices: no rank ever holds the whole model. Random init (model.arch): every rank builds the
+    whole model from the same seed, then shards it, so the initial weights are exactly one
+    process's (a randomly initialised model is a small one).
+    """
+    from crm.models.backbone import load_pretrained
+
+    crm = build_crm(device="meta")
+    pretrained = crm.model.name_or_path  # set by a build from a checkpoint, empty for an arch
+    if not pretrained:
+        crm = build_crm()
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(crm)
+    apply_fsdp(crm, mesh, cfg)
+    if pretrained:
+        crm.to_empty(device=mesh.device_type)  # this rank's shards, on its current device
+        load_pretrained(crm.model, pretrained)
     return crm
 
 

@@ -1,7 +1,7 @@
 """Distributed training end to end, on 2 CPU processes (gloo): FSDP2 sharding, loss curves that
-agree across FSDP, DDP and one process on the same global batches, sharded checkpoints that resume
-and export, a simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery
-from kill -9.
+agree across FSDP, DDP and one process on the same global batches (from random init and from a
+pretrained checkpoint loaded into the shards), sharded checkpoints that resume and export, a
+simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
 
 Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
 session in rank 1): Lightning launches rank 1 itself, or, for SLURM, the test starts one process
@@ -32,7 +32,7 @@ from crm.data.demo import prepare_demo
 from crm.data.manifest import load_manifest
 from crm.parallel import SHARDED_META, is_complete_checkpoint
 
-# The subprocess tests are marked slow (13 runs, about 5 minutes on the busy 2-core machine):
+# The subprocess tests are marked slow (15 runs, about 6 minutes on the busy 2-core machine):
 # `make test` runs them too, `-m 'not slow'` leaves them out.
 slow = pytest.mark.slow
 
@@ -290,6 +290,45 @@ def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     for run in (runs.fsdp, runs.ddp):
         state = stream_state(checkpoint_meta(run / "checkpoints" / "last.ckpt"))
         assert batches_consumed(state, world=2) == 30
+
+
+# -- 2b. pretrained weights loaded into the shards ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_checkpoint(root) -> Path:
+    """A tiny Qwen3 base model (a causal LM: no classification head) with a tokenizer, as a user's
+    model.path holds one."""
+    from helpers import tiny_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024,
+        pad_token_id=tok.pad_token_id))
+    path = root / "base_checkpoint"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@slow
+def test_fsdp_from_a_pretrained_checkpoint_trains_as_one_process(root, base_checkpoint):
+    # Each FSDP rank reads its slices into its shards and draws the fresh head one process draws.
+    steps = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=1000",
+             f"model.path={base_checkpoint}"]
+    fsdp = train(root, "fsdp_pretrained", *FSDP, *steps)
+    reference = train(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8",
+                      *steps, script=REFERENCE)
+    (f_train, f_val), (r_train, r_val) = curves(fsdp), curves(reference)
+    assert sorted(f_train) == list(range(1, 7))
+    figures = {"train": max_diff(f_train, r_train), "val": max_diff(f_val, r_val)}
+    print("pretrained, FSDP vs one process: max |loss difference| over 6 steps:", figures)
+    assert max(figures.values()) <= LOSS_ATOL
+    assert abs(f_train[1] - r_train[1]) <= 1e-6  # the same initial weights
+    torch.testing.assert_close(export_logits(fsdp / "export"), export_logits(reference / "export"),
+                               atol=LOGIT_ATOL, rtol=0)
 
 
 # -- 3. sharded checkpoint resume -----------------------------------------------------------------

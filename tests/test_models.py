@@ -18,7 +18,7 @@ from crm.prompts import PromptEncoder, PromptTemplate
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, intermediate_size=64, max_position_embeddings=512)
 
-# shared/PERF.md: published totals of the sequence classifier (2 labels) and non-embedding counts.
+# Totals of the sequence classifier (2 labels) and non-embedding counts, in billions to 3 decimals.
 PUBLISHED = {"qwen3-0.6b": (0.596e9, 0.440e9), "qwen3-1.7b": (1.721e9, 1.409e9),
              "qwen3-4b": (4.022e9, 3.634e9), "qwen3-8b": (7.568e9, 6.946e9)}
 

@@ -11,13 +11,13 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
-from transformers import Qwen3Config
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import crm_configs
 from crm.cli.plan import main as plan_main
 from crm.flops import (PEAK_FLOPS, ModelShape, flops_per_token, mfu, peak_flops,
                        tokens_per_s_at)
-from crm.memory import GIB, memory_plan
+from crm.memory import GIB, host_startup_plan, memory_plan
 from crm.models.backbone import build_classifier
 
 # A Qwen3 small enough to count by hand: h 64, 2 layers, 4 heads x 16 (q width 64), 2 kv heads
@@ -154,6 +154,24 @@ def test_qwen3_4b_and_8b_fit_8_x_80_gib_as_perf_md_says(shapes, arch, states_tot
     assert p["head_gib"] < 0.1
 
 
+def test_host_memory_at_start_up_by_hand(small):
+    h = host_startup_plan(small, world=4, devices=2, checkpoint_bytes=2, param_bytes=4)
+    # 2 nodes x 2 GPUs: a node reads half of the bf16 checkpoint; a rank holds a quarter of the
+    # root (the embedding nearly all of it) in flight, read (2 B) and converted (4 B).
+    assert round(h["pretrained_page_cache_gib"] * GIB) == TOTAL * 2 * 2 // 4
+    assert round(h["pretrained_in_flight_per_rank_gib"] * GIB) == small.root_params * 6 // 4
+    assert round(h["pretrained_gib"] * GIB) == TOTAL + 2 * small.root_params * 6 // 4
+    assert round(h["random_init_gib"] * GIB) == 2 * TOTAL * 4  # both ranks: the whole fp32 model
+    with pytest.raises(ValueError, match="whole nodes"):
+        host_startup_plan(small, world=3, devices=2)
+
+
+def test_qwen3_8b_from_a_checkpoint_needs_about_its_bf16_size_per_8_gpu_node(shapes):
+    h = host_startup_plan(shapes["qwen3-8b"], world=16, devices=8)
+    assert round(h["pretrained_page_cache_gib"], 2) == round(7.568e9 * 2 / 2 / GIB, 2)  # half of it
+    assert h["pretrained_gib"] < 0.1 * h["random_init_gib"]  # every rank whole: 8 x 28 GiB
+
+
 # -- crm-plan -------------------------------------------------------------------------------------
 
 MODELS = sorted(p.stem for p in (Path(crm_configs.__file__).parent / "model").glob("*.yaml"))
@@ -206,3 +224,23 @@ def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
 
 def test_crm_plan_console_script_is_installed():
     assert (Path(sys.executable).parent / "crm-plan").is_file()
+
+
+def test_crm_plan_host_memory_follows_model_path(tmp_path, capsys):
+    _, plan = run_plan(tmp_path, "model=qwen3-8b")
+    out = capsys.readouterr().out
+    assert not plan["host_startup"]["pretrained"]
+    assert plan["host_startup"]["checkpoint_bytes_per_param"] == 2  # a Qwen3 release: bf16
+    assert "random init, every rank the whole model" in out and out.count("<- configured") == 2
+    line = next(row for row in out.splitlines() if row.startswith("random init"))
+    assert line.endswith("<- configured")
+
+    checkpoint = tmp_path / "base"
+    Qwen3ForCausalLM(Qwen3Config(**SMALL)).save_pretrained(checkpoint)  # float32
+    _, plan = run_plan(tmp_path, "model=qwen3-8b", f"model.path={checkpoint}", "trainer.devices=2")
+    host = plan["host_startup"]
+    assert host["pretrained"] and host["checkpoint_bytes_per_param"] == 4
+    assert round(host["pretrained_page_cache_gib"] * GIB) == TOTAL * 4  # one node reads it all
+    line = next(row for row in capsys.readouterr().out.splitlines()
+                if row.startswith("from model.path,"))
+    assert line.endswith("<- configured")

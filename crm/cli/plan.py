@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from crm.cli.common import model_arch
 from crm.files import write_json
 from crm.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
-from crm.memory import ROWS_PER_RECORD, memory_plan
+from crm.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
 
 
 def model_shape(model: DictConfig, kind: str) -> ModelShape:
@@ -35,6 +35,17 @@ def model_shape(model: DictConfig, kind: str) -> ModelShape:
         attention="sdpa", device="meta"))
 
 
+def checkpoint_bytes(model: DictConfig) -> int:
+    """Bytes per parameter of the weights at model.path (its config's dtype); without a path, of a
+    Qwen3 release (bfloat16)."""
+    if not model.path:
+        return 2
+    from transformers import AutoConfig
+
+    dtype = AutoConfig.from_pretrained(model.path, local_files_only=True).dtype
+    return 2 if dtype is None else dtype.itemsize
+
+
 def plan(cfg: DictConfig) -> dict:
     if cfg.kind not in ROWS_PER_RECORD:
         raise ValueError(f"kind={cfg.kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
@@ -46,6 +57,9 @@ def plan(cfg: DictConfig) -> dict:
                          activation_checkpointing=cfg.activation_checkpointing,
                          flash=cfg.model.attention != "eager", gpu_memory_gib=cfg.gpu_memory_gib,
                          headroom_fraction=cfg.headroom_fraction, reserved_gib=cfg.reserved_gib)
+    host = host_startup_plan(shape, world=world, devices=int(cfg.trainer.devices),
+                             checkpoint_bytes=checkpoint_bytes(cfg.model),
+                             param_bytes=PRECISIONS[cfg.precision].param)
     train, forward = (flops_per_token(shape, cfg.seq_len, training=t) for t in (True, False))
     peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
     per_gpu = tokens_per_s_at(cfg.mfu, train, peak)
@@ -56,6 +70,7 @@ def plan(cfg: DictConfig) -> dict:
         "num_nodes": int(cfg.trainer.num_nodes),
         "devices": int(cfg.trainer.devices),
         "memory": memory,
+        "host_startup": {**host, "pretrained": bool(cfg.model.path)},
         "flops": {
             "formula": "6 N + 12 L H d S (forward: a third); N non-embedding, S = seq_len",
             "train_per_token": train,
@@ -90,6 +105,13 @@ def format_plan(p: dict) -> str:
         ("total, checkpointing off", mem["total_full_gib"],
          f"   fits: {yes[mem['fits_full']]}" + ("" if ckpt else "  <- configured")),
     ]
+    host = p["host_startup"]
+    host_rows = [
+        ("from model.path, each rank reading its slices", host["pretrained_gib"],
+         "  <- configured" if host["pretrained"] else ""),
+        ("random init, every rank the whole model", host["random_init_gib"],
+         "" if host["pretrained"] else "  <- configured"),
+    ]
     lines = [
         f"crm-plan: {m['name']} {p['kind']}, {p['num_nodes']} node(s) x {p['devices']} GPUs, "
         f"seq {mem['seq_len']}, micro batch {mem['micro_batch_size']} "
@@ -104,6 +126,13 @@ def format_plan(p: dict) -> str:
         f"usable: {mem['usable_gib']:.1f} of {mem['gpu_memory_gib']:g} GiB "
         f"({mem['headroom_fraction']:.0%} headroom, {mem['reserved_gib']:g} GiB reserved); "
         f"states on all GPUs {mem['states_all_gpus_gib']:.1f} GiB",
+        "",
+        f"{'host memory per node at start-up':<46}{'GiB':>8}",
+        *(f"{label:<46}{gib:>8.2f}{note}" for label, gib, note in host_rows),
+        f"from model.path: the node's share of the {dtype[host['checkpoint_bytes_per_param']]} "
+        f"checkpoint ({host['pretrained_page_cache_gib']:.2f} GiB, page cache) + {p['devices']} "
+        f"x {host['pretrained_in_flight_per_rank_gib']:.2f} GiB in flight; not counted: each "
+        "process's imports and CUDA context",
         "",
         f"FLOPs per token (6N + 12 L H d S, S = {mem['seq_len']}): train "
         f"{fl['train_per_token'] / 1e9:.2f} G, forward {fl['forward_per_token'] / 1e9:.2f} G",

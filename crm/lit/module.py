@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from crm.parallel import ParallelConfig, apply_fsdp, enable_activation_checkpointing
+from crm.parallel import ParallelConfig, build_sharded, enable_activation_checkpointing
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ class CRMModule(L.LightningModule):
 
     The CRM is built in `configure_model` from `build_crm`, after the strategy has set up the
     process group: under FSDP (ModelParallelStrategy) it is sharded there, before the optimizer
-    exists. `run_config` (plain data) is stored in every checkpoint, so a checkpoint says what
-    it holds.
+    exists, and pretrained weights are read into the shards (crm.parallel.build_sharded), so
+    `build_crm` takes an optional `device` ("meta": shapes only, nothing read). `run_config`
+    (plain data) is stored in every checkpoint, so a checkpoint says what it holds.
     """
 
     def __init__(self, build_crm: Callable[[], torch.nn.Module], optim: OptimConfig,
@@ -41,12 +42,13 @@ class CRMModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.crm is not None:
             return
-        crm = self.build_crm()
-        if self.parallel.activation_checkpointing:
-            enable_activation_checkpointing(crm)
         if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel ranks
-            apply_fsdp(crm, self.device_mesh["data_parallel"], self.parallel)
-        self.crm = crm
+            mesh = self.device_mesh["data_parallel"]
+            self.crm = build_sharded(self.build_crm, mesh, self.parallel)
+        else:
+            self.crm = self.build_crm()
+            if self.parallel.activation_checkpointing:
+                enable_activation_checkpointing(self.crm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["crm_config"] = self.run_config

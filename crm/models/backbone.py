@@ -1,12 +1,16 @@
 """Qwen3 backbones with a sequence-classification head: from a local checkpoint or an architecture.
 
-The real sizes are the published Qwen3 architectures (shared/PERF.md); they build on the meta
-device to count parameters and plan memory without weights. `tiny` is a CPU-sized Qwen3 with the
-same code path, randomly initialised.
+The real sizes are the published Qwen3 architectures; they build on the meta device to count
+parameters and plan memory without weights. `tiny` is a CPU-sized Qwen3 with the same code path,
+randomly initialised. A checkpoint (HF safetensors) is loaded into an allocated model, whole or
+FSDP-sharded, each rank reading only what it holds (`load_pretrained`).
 """
 from __future__ import annotations
 
 import logging
+import warnings
+from pathlib import Path
+
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, Qwen3Config
 from transformers.utils import is_flash_attn_2_available
@@ -58,6 +62,11 @@ def build_classifier(*, num_labels: int, pad_token_id: int | None, path: str | N
     `arch` is a name in ARCHITECTURES or a dict of Qwen3Config fields (the tiny model's). On the
     meta device the model has shapes and no storage. `pad_token_id` falls back to the
     checkpoint's; the head needs one to find each row's last token in a padded batch.
+
+    From `path` the model is built on the meta device from the checkpoint's config, then allocated
+    on `device` and filled by `load_pretrained`: the weights are read once, into their final place.
+    With device="meta" nothing is read and `model.name_or_path` keeps `path`: a caller that shards
+    the model first loads each rank's shards afterwards (crm.parallel.build_sharded).
     """
     attention = choose_attention(attention)
     if path:
@@ -67,11 +76,13 @@ def build_classifier(*, num_labels: int, pad_token_id: int | None, path: str | N
         if pad is None:
             raise ValueError(f"{path}: no pad_token_id in its config and none given: batches of "
                              "more than one row cannot be scored")
-        with torch.device(device or "cpu"):
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=num_labels, pad_token_id=pad, dtype=dtype,
-                attn_implementation=attention, local_files_only=True,
-                ignore_mismatched_sizes=True)  # a head of another size (or none) starts fresh
+        config.pad_token_id = pad
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config, dtype=dtype,
+                                                                    attn_implementation=attention)
+        if torch.device(device or "cpu").type != "meta":
+            model.to_empty(device=device or "cpu")
+            load_pretrained(model, path)
         return model
     if arch is None:
         raise ValueError("a backbone needs model.path (a local HF checkpoint) or model.arch")
@@ -85,8 +96,93 @@ def build_classifier(*, num_labels: int, pad_token_id: int | None, path: str | N
     return model
 
 
+HEAD = "score.weight"  # Qwen3ForSequenceClassification's head; the backbone is `model.*`
+
+
+def load_pretrained(model, path: str | Path) -> None:
+    """Reads the HF safetensors checkpoint at `path` into `model`'s allocated parameters, whether
+    they are whole tensors or this rank's FSDP shards (DTensors).
+
+    torch's DCP Hugging Face reader reads, for each parameter, only the slice this rank holds
+    (safetensors are memory-mapped and sliced), so the ranks of a sharded model read disjoint parts
+    of the checkpoint and none holds the whole model. Any checkpoint dtype is converted to the
+    model's.
+
+    The backbone (`model.*`) must be there with this model's shapes. The head is loaded when the
+    checkpoint has one of this size; a checkpoint without one (a base model, e.g. a Qwen3ForCausalLM
+    save: its `lm_head` is not read) gets a fresh head, and a head of another size is replaced by a
+    fresh one with a warning. Non-persistent buffers (RoPE's inv_freq), which no checkpoint holds
+    and allocation leaves uninitialised, are computed again.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.tensor import DTensor
+
+    reader = HuggingFaceStorageReader(str(path))
+    stored = reader.read_metadata().state_dict_metadata
+    if not stored:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (save the checkpoint with "
+                                "safetensors: save_pretrained does by default)")
+    state = model.state_dict()
+    wanted = {name: tensor for name, tensor in state.items() if name != HEAD}
+    missing = [name for name in wanted if name not in stored]
+    other_shape = [f"{name} {tuple(stored[name].size)} (model {tuple(tensor.shape)})"
+                   for name, tensor in wanted.items()
+                   if name in stored and tuple(stored[name].size) != tuple(tensor.shape)]
+    if missing or other_shape:
+        raise ValueError(f"{path}: not this model's backbone: {len(missing)} weights missing "
+                         f"{missing[:3]}, {len(other_shape)} of another shape {other_shape[:3]} "
+                         "(a Qwen3 checkpoint with `model.*` weights of this size is expected)")
+    head, labels = stored.get(HEAD), model.config.num_labels
+    if head is not None and tuple(head.size) == tuple(state[HEAD].shape):
+        wanted[HEAD] = state[HEAD]
+    else:
+        if head is None:
+            log.info("%s: no classification head: a fresh one of %d label(s)", path, labels)
+        else:
+            log.warning("%s: its head %s has %d label(s), this model %d: the head starts fresh",
+                        path, HEAD, head.size[0], labels)
+        init_fresh_head(model)
+    unread = sorted(set(stored) - set(wanted) - {HEAD})
+    if unread:
+        log.info("%s: not read (not part of a sequence classifier): %s", path, ", ".join(unread))
+    sharded = any(isinstance(t, DTensor) for t in wanted.values())
+    with warnings.catch_warnings():
+        # Whole tensors need no coordination between ranks (ExportBest loads on rank 0 alone);
+        # DCP then warns that it assumes a single process, which is the intent.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, storage_reader=reader, no_dist=not sharded)
+    init_non_persistent_buffers(model)
+
+
+def init_fresh_head(model) -> None:
+    """The head transformers initialises for a missing one (normal, std initializer_range).
+
+    Drawn whole from the seeded generator on every rank and each rank keeps its slice: a sharded
+    model gets exactly the head one process would.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    weight = model.score.weight
+    fresh = torch.empty(weight.shape, dtype=weight.dtype)
+    torch.nn.init.normal_(fresh, mean=0.0, std=model.config.initializer_range)
+    fresh = fresh.to(weight.device)
+    if isinstance(weight, DTensor):  # every rank holds the same tensor: no communication
+        fresh = distribute_tensor(fresh, weight.device_mesh, weight.placements, src_data_rank=None)
+    with torch.no_grad():
+        weight.copy_(fresh)
+
+
+def init_non_persistent_buffers(model) -> None:
+    """Computes again what `to_empty` left uninitialised and no checkpoint holds: buffers outside
+    the state dict (RoPE's inv_freq). transformers' own `_init_weights` knows how, per module."""
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+
+
 def count_parameters(model: torch.nn.Module) -> dict:
-    """Total and non-embedding parameters (shared tensors once), as PERF.md counts them."""
+    """Total and non-embedding parameters (shared tensors once), as Qwen3's model cards count."""
     seen, total, embedding = set(), 0, 0
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:

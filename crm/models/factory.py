@@ -11,7 +11,10 @@ def build_crm(kind: str, *, num_labels: int, pad_token_id: int | None, path: str
               arch: str | dict | None = None, attention: str = "auto",
               dtype: torch.dtype = torch.float32, margin: float = 0.0, center_coef: float = 0.0,
               device=None):
-    """kind "pairwise" (num_labels 2, or 3 with ties) or "pointwise" (one reward)."""
+    """kind "pairwise" (num_labels 2, or 3 with ties) or "pointwise" (one reward).
+
+    device="meta" builds shapes only: from a `path`, no weight is read (see build_classifier).
+    """
     if kind == "pairwise":
         model = build_classifier(num_labels=num_labels, pad_token_id=pad_token_id, path=path,
                                  arch=arch, attention=attention, dtype=dtype, device=device)
