@@ -466,19 +466,23 @@ def slurm_job(root: Path, job_id: str, ntasks: int, *overrides: str, path_prefix
 @slow
 def test_two_node_slurm_job_on_loopback(root):
     job_id = "4242"
-    procs = slurm_job(root, job_id, 2, "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2",
-                      "micro_batch_size=4", "global_batch_size=8", "trainer.max_steps=3",
-                      "val_every_n_steps=3", "save_every_n_steps=3", "name=ignored")
+    # No batch override: micro_batch_size=auto splits the default global batch over the 2 nodes.
+    procs = slurm_job(root, job_id, 2, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1",
+                      "trainer.num_nodes=2", "trainer.max_steps=3", "val_every_n_steps=3",
+                      "save_every_n_steps=3", "name=ignored")
     with cleanup(*procs):
         for p in procs:
             p.assert_ok()
     run_dir = root / "outputs" / job_id  # the job id names the run dir under SLURM
     m = metrics(run_dir)["train"]
-    assert m["world_size"] == 2 and m["global_step"] == 3 and m["accumulation"] == 1
+    assert m["world_size"] == 2 and m["global_step"] == 3
+    assert m["micro_batch_size"] == 32 and m["accumulation"] == 1  # the default global batch: 64
     assert len(m["per_rank_memory"]) == 2
     assert (run_dir / "export" / "model.safetensors").is_file()
     assert not (root / "outputs" / "ignored").exists()
-    assert stream_state(checkpoint_meta(run_dir / "checkpoints" / "last.ckpt"))["world"] == 2
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and is_complete_checkpoint(last)  # sharded
+    assert stream_state(checkpoint_meta(last))["world"] == 2
 
 
 # -- 6. preemption --------------------------------------------------------------------------------
