@@ -8,7 +8,6 @@ FSDP-sharded, each rank reading only what it holds (`load_pretrained`).
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
 import torch
@@ -103,10 +102,13 @@ def load_pretrained(model, path: str | Path) -> None:
     """Reads the HF safetensors checkpoint at `path` into `model`'s allocated parameters, whether
     they are whole tensors or this rank's FSDP shards (DTensors).
 
-    torch's DCP Hugging Face reader reads, for each parameter, only the slice this rank holds
-    (safetensors are memory-mapped and sliced), so the ranks of a sharded model read disjoint parts
-    of the checkpoint and none holds the whole model. Any checkpoint dtype is converted to the
-    model's.
+    Each parameter is read alone: only the slice this rank holds (a DTensor's local shape and
+    global offset), converted to the model's dtype as it is copied into place. The ranks of a
+    sharded model read disjoint parts of the checkpoint, none holds the whole model, and no
+    collective is needed. The file is opened again for each tensor: safetensors memory-maps it, and
+    the pages read through the mapping count in the rank's resident memory until it is closed (the
+    whole checkpoint at world 1, on top of the model); closed after each tensor, only the pages of
+    one slice are ever resident through it.
 
     The backbone (`model.*`) must be there with this model's shapes. The head is loaded when the
     checkpoint has one of this size; a checkpoint without one (a base model, e.g. a Qwen3ForCausalLM
@@ -114,44 +116,49 @@ def load_pretrained(model, path: str | Path) -> None:
     fresh one with a warning. Non-persistent buffers (RoPE's inv_freq), which no checkpoint holds
     and allocation leaves uninitialised, are computed again.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from safetensors import safe_open
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    reader = HuggingFaceStorageReader(str(path))
-    stored = reader.read_metadata().state_dict_metadata
+    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}  # name -> (file, shape)
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            stored.update((name, (file, tuple(f.get_slice(name).get_shape()))) for name in f.keys())
     if not stored:
         raise FileNotFoundError(f"{path}: no *.safetensors weights (save the checkpoint with "
                                 "safetensors: save_pretrained does by default)")
     state = model.state_dict()
     wanted = {name: tensor for name, tensor in state.items() if name != HEAD}
     missing = [name for name in wanted if name not in stored]
-    other_shape = [f"{name} {tuple(stored[name].size)} (model {tuple(tensor.shape)})"
+    other_shape = [f"{name} {stored[name][1]} (model {tuple(tensor.shape)})"
                    for name, tensor in wanted.items()
-                   if name in stored and tuple(stored[name].size) != tuple(tensor.shape)]
+                   if name in stored and stored[name][1] != tuple(tensor.shape)]
     if missing or other_shape:
         raise ValueError(f"{path}: not this model's backbone: {len(missing)} weights missing "
                          f"{missing[:3]}, {len(other_shape)} of another shape {other_shape[:3]} "
                          "(a Qwen3 checkpoint with `model.*` weights of this size is expected)")
     head, labels = stored.get(HEAD), model.config.num_labels
-    if head is not None and tuple(head.size) == tuple(state[HEAD].shape):
+    if head is not None and head[1] == tuple(state[HEAD].shape):
         wanted[HEAD] = state[HEAD]
     else:
         if head is None:
             log.info("%s: no classification head: a fresh one of %d label(s)", path, labels)
         else:
             log.warning("%s: its head %s has %d label(s), this model %d: the head starts fresh",
-                        path, HEAD, head.size[0], labels)
+                        path, HEAD, head[1][0], labels)
         init_fresh_head(model)
     unread = sorted(set(stored) - set(wanted) - {HEAD})
     if unread:
         log.info("%s: not read (not part of a sequence classifier): %s", path, ", ".join(unread))
-    sharded = any(isinstance(t, DTensor) for t in wanted.values())
-    with warnings.catch_warnings():
-        # Whole tensors need no coordination between ranks (ExportBest loads on rank 0 alone);
-        # DCP then warns that it assumes a single process, which is the intent.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(wanted, storage_reader=reader, no_dist=not sharded)
+    for name, tensor in wanted.items():
+        local, offset = tensor, (0,) * tensor.dim()
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local()
+            _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                              tensor.placements)
+        rows = tuple(slice(start, start + size) for start, size in zip(offset, local.shape))
+        with safe_open(stored[name][0], framework="pt") as f:
+            local.copy_(f.get_slice(name)[rows])
     init_non_persistent_buffers(model)
 
 
