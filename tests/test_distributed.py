@@ -29,6 +29,7 @@ from hydra import compose, initialize_config_module
 
 from crm.checkpoint import load_checkpoint, model_weights, resolve_resume
 from crm.data.demo import prepare_demo
+from crm.errors import ConfigError
 from crm.data.manifest import load_manifest
 from crm.parallel import SHARDED_META, is_complete_checkpoint
 
@@ -591,7 +592,7 @@ def test_resume_auto_ignores_incomplete_sharded_checkpoints(tmp_path):
     assert resolve_resume("auto", tmp_path) == str(partial)
     (partial / SHARDED_META).unlink()
     assert resolve_resume("auto", tmp_path) == str(old)
-    with pytest.raises(FileNotFoundError, match="incomplete"):
+    with pytest.raises(ConfigError, match="incomplete"):
         resolve_resume(str(partial), tmp_path)
 
 
