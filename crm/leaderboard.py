@@ -126,6 +126,20 @@ class Outcome:
     idx: str = ""  # the benchmark query it answers
 
 
+def pairs(selection: Selection, criteria: Sequence[str]) -> list[tuple[str, str, PairExample]]:
+    """(idx, model, pair) per example and model: the baseline's response in slot A, the model's
+    in slot B."""
+    criteria = tuple(criteria)
+    out = []
+    for record in selection.records:
+        base = record.responses[selection.baseline]
+        for model in selection.models:
+            out.append((record.idx, model, PairExample(
+                f"{record.idx}/{model}", criteria, base[0].content, base[1:],
+                record.responses[model][1:], LABEL_A, record.topic)))
+    return out
+
+
 def judge(scorer, selection: Selection, criteria: Sequence[str],
           both_orders: bool = False) -> list[Outcome]:
     """One outcome per (example, model): the model's response against the baseline's.
@@ -134,15 +148,8 @@ def judge(scorer, selection: Selection, criteria: Sequence[str],
     order and averages the probabilities). A pair the length policy cannot fit is an error that
     names it: a model must not lose (or win) an example by being too long to read.
     """
-    criteria = tuple(criteria)
-    examples, keys = [], []
-    for record in selection.records:
-        base = record.responses[selection.baseline]
-        for model in selection.models:
-            examples.append(PairExample(f"{record.idx}/{model}", criteria, base[0].content,
-                                        base[1:], record.responses[model][1:], LABEL_A,
-                                        record.topic))
-            keys.append((model, record.topic, record.idx))
+    owners = pairs(selection, criteria)
+    examples = [e for _, _, e in owners]
     probs = scorer.pair_probabilities(examples, unfit="nan", both_orders=both_orders)
     unfit = [e.key for e, p in zip(examples, probs) if p.isnan().any()]
     if unfit:
@@ -150,10 +157,10 @@ def judge(scorer, selection: Selection, criteria: Sequence[str],
                          f"in {scorer.encoder.max_tokens} tokens even with shortened responses: "
                          f"{', '.join(unfit[:5])}{' ...' if len(unfit) > 5 else ''}")
     outcomes = []
-    for (model, topic, idx), p in zip(keys, probs.tolist()):
+    for (idx, model, e), p in zip(owners, probs.tolist()):
         v = verdict(p)
         result = WIN if v == LABEL_B else LOSS if v == LABEL_A else TIE
-        outcomes.append(Outcome(model, topic, result, p[LABEL_B], idx))
+        outcomes.append(Outcome(model, e.topic, result, p[LABEL_B], idx))
     return outcomes
 
 
