@@ -238,7 +238,7 @@ def test_the_gate_bounds_scorings_and_waiting_then_refuses():
     order = []
 
     def hold(name):
-        with gate():
+        with gate.admit(), gate.model():
             order.append(name)
             inside.set()
             release.wait(5)
@@ -249,33 +249,39 @@ def test_the_gate_bounds_scorings_and_waiting_then_refuses():
     second = threading.Thread(target=hold, args=("second",))
     second.start()
     deadline = time.time() + 5
-    while gate._admitted < 2 and time.time() < deadline:
+    while gate.admitted < 2 and time.time() < deadline:
         time.sleep(0.01)
     started = time.perf_counter()
     with pytest.raises(Busy, match="busy scoring other boards"):
-        with gate():
+        with gate.admit():
             pass
     assert time.perf_counter() - started < 0.5  # refused at once, not after a wait
     release.set()
     first.join(5)
     second.join(5)
-    assert order == ["first", "second"]
-    with gate():  # free again
+    assert order == ["first", "second"] and gate.admitted == 0
+    with gate.admit(), gate.model():  # free again
         pass
     slow = ModelGate(concurrency=1, waiting=1, timeout=0.05)
-    with slow():
+    with slow.model():
         with pytest.raises(Busy, match="stayed busy"):
-            with slow():
+            with slow.model():
                 pass
 
 
-def test_a_cached_board_does_not_wait_for_the_gate(tmp_path):
+def test_a_cached_board_does_not_wait_for_the_model(tmp_path):
     lb = service(tmp_path)
     lb.board(("be brief",), lb.choose(None))
-    with lb.gate():  # the model busy with another board
+    with lb.gate.admit(), lb.gate.model():  # the model busy with another board
         started = time.perf_counter()
         lb.board(("be brief",), lb.choose(["music"]))
         assert time.perf_counter() - started < 5
+    # a full line refuses a new board before tokenizing it
+    full = service(tmp_path, gate=ModelGate(concurrency=1, waiting=0))
+    with full.gate.admit():
+        with pytest.raises(Busy):
+            full.board(("be kind",), full.choose(None))
+    assert scored(full) == 0
 
 
 # -- the page's rendering (no server) -------------------------------------------------------------

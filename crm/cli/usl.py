@@ -4,12 +4,13 @@
 
 With no overrides it serves the demo's CRM and benchmark when `make demo` has made them. It scores
 the default board (or reads it from the verdict cache), prints the local URL and serves until
-stopped (Ctrl-C).
+stopped (Ctrl-C or SIGTERM).
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,7 @@ def main(cfg: DictConfig) -> None:
     print(f"crm-usl: {service.version}, baseline {service.selection.baseline}; serving on "
           f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
           flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
     launch(page, cfg.host, cfg.port, auth=auth)
 
 

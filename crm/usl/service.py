@@ -48,33 +48,39 @@ class Limits:
 
 
 class ModelGate:
-    """At most `concurrency` scorings at once and `waiting` more in line (each for at most
-    `timeout` seconds); any more are refused at once as Busy, so no request hangs."""
+    """At most `concurrency` scorings at once and `waiting` more admitted behind them (each waits
+    at most `timeout` seconds for the model); any more are refused at once as Busy, so that no
+    request hangs and the work an admitted request does before scoring is bounded too."""
 
     def __init__(self, concurrency: int = 1, waiting: int = 4, timeout: float = 120.0):
         self.concurrency, self.waiting, self.timeout = concurrency, waiting, timeout
         self._slots = threading.Semaphore(concurrency)
         self._lock = threading.Lock()
-        self._admitted = 0
+        self.admitted = 0
 
     @contextmanager
-    def __call__(self):
+    def admit(self):
         with self._lock:
-            if self._admitted >= self.concurrency + self.waiting:
-                raise Busy(f"The CRM is busy scoring other boards ({self._admitted} in progress "
+            if self.admitted >= self.concurrency + self.waiting:
+                raise Busy(f"The CRM is busy scoring other boards ({self.admitted} in progress "
                            "or waiting): try again in a minute. Boards already scored are "
                            "served at once.")
-            self._admitted += 1
+            self.admitted += 1
         try:
-            if not self._slots.acquire(timeout=self.timeout):
-                raise Busy(f"The CRM stayed busy for {self.timeout:.0f} s: try again later.")
-            try:
-                yield
-            finally:
-                self._slots.release()
+            yield
         finally:
             with self._lock:
-                self._admitted -= 1
+                self.admitted -= 1
+
+    @contextmanager
+    def model(self):
+        """The model, once an admitted request's turn comes."""
+        if not self._slots.acquire(timeout=self.timeout):
+            raise Busy(f"The CRM stayed busy for {self.timeout:.0f} s: try again later.")
+        try:
+            yield
+        finally:
+            self._slots.release()
 
 
 @dataclass(frozen=True)
@@ -180,12 +186,13 @@ class Leaderboards:
         outcomes = self.cache.get(fields)
         if outcomes is not None:
             return outcomes
-        self._check_fit(criteria)
-        with self.gate():
-            outcomes = self.cache.get(fields)  # scored while this request waited
-            if outcomes is None:
-                outcomes = self._score(criteria, progress)
-                self.cache.put(fields, outcomes)
+        with self.gate.admit():
+            self._check_fit(criteria)
+            with self.gate.model():
+                outcomes = self.cache.get(fields)  # scored while this request waited
+                if outcomes is None:
+                    outcomes = self._score(criteria, progress)
+                    self.cache.put(fields, outcomes)
         return outcomes
 
     def _check_fit(self, criteria: tuple[str, ...]) -> None:
