@@ -2,14 +2,17 @@
 12-query demo benchmark, 127.0.0.1, a free port), driven through its API with gradio_client and
 through its page with Debian's chromium under Playwright (`executable_path`: no browser download).
 
-Set CRM_USL_SCREENSHOTS=DIR to keep the screenshots of the two tabs there (docs/ for the README).
+CRM_USL_SCREENSHOTS=DIR keeps the screenshots of the two tabs there; CRM_USL_CHECKPOINT and
+CRM_USL_BENCH serve another CRM and benchmark of the demo's models. The README's screenshots:
+
+    CRM_USL_SCREENSHOTS=docs CRM_USL_CHECKPOINT=outputs/demo/export \
+    CRM_USL_BENCH=.cache/demo/raw/bench.jsonl pytest tests/test_usl_app.py -k default_then
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -57,9 +60,10 @@ def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     root = tmp_path_factory.mktemp("usl")
-    export = export_tiny(root / "export")
-    write_demo(root / "demo", n_train=0, n_test=2, n_bench=12)
-    bench = root / "demo" / "bench.jsonl"
+    export = Path(os.environ.get("CRM_USL_CHECKPOINT") or export_tiny(root / "export"))
+    bench = Path(os.environ.get("CRM_USL_BENCH") or root / "demo" / "bench.jsonl")
+    if not bench.exists():
+        write_demo(root / "demo", n_train=0, n_test=2, n_bench=12)
     url = f"http://127.0.0.1:{free_port()}"
     log = root / "server.log"
     with open(log, "w") as out:
@@ -96,7 +100,7 @@ def test_the_api_equals_crm_leaderboard(app, client, tmp_path):
     assert set(doc) >= {"criteria", "topics", "examples", "models", "baseline", "version", "rows"}
     assert doc["criteria"] == criteria and doc["baseline"] == BENCH_BASELINE
     assert sorted(doc["models"]) == MODELS and sorted(doc["topics"]) == sorted(app["topics"])
-    assert doc["version"].startswith("usl")  # tmp dir "usl*"/export, and the hashes
+    assert f"{app['export'].parent.name}/{app['export'].name}" in doc["version"]
 
     reference = run_cli("leaderboard", run, [
         f"model.path={app['export']}", f"bench={app['bench']}", f"baseline={BENCH_BASELINE}",
@@ -115,7 +119,8 @@ def test_the_api_equals_crm_leaderboard(app, client, tmp_path):
 
 def test_the_api_ranks_on_every_topic_when_given_none(app, client):
     doc = client.predict("I prefer short answers.", [], api_name="/rank")
-    assert doc["topics"] == app["all_topics"] and doc["examples"] == 12
+    assert doc["topics"] == app["all_topics"]
+    assert doc["examples"] == len(app["bench"].read_text().splitlines())
     assert all(set(r["topics"]) == set(app["all_topics"]) for r in doc["rows"])
 
 
@@ -166,9 +171,11 @@ def screenshot(page, name: str, tmp_path: Path) -> None:
     path = tmp_path / name
     page.screenshot(path=path, full_page=True)
     keep = os.environ.get("CRM_USL_SCREENSHOTS")
-    if keep:
+    if keep:  # a 256-colour palette: a third of the size, for the repository
+        from PIL import Image
+
         Path(keep).mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, Path(keep) / name)
+        Image.open(path).convert("RGB").quantize(256).save(Path(keep) / name, optimize=True)
 
 
 # Gradio's Dataframe is a virtual grid: read it through its ARIA roles.
