@@ -238,7 +238,7 @@ def test_the_gate_bounds_scorings_and_waiting_then_refuses():
     order = []
 
     def hold(name):
-        with gate.admit(), gate.model():
+        with gate():
             order.append(name)
             inside.set()
             release.wait(5)
@@ -253,32 +253,32 @@ def test_the_gate_bounds_scorings_and_waiting_then_refuses():
         time.sleep(0.01)
     started = time.perf_counter()
     with pytest.raises(Busy, match="busy scoring other boards"):
-        with gate.admit():
+        with gate():
             pass
     assert time.perf_counter() - started < 0.5  # refused at once, not after a wait
     release.set()
     first.join(5)
     second.join(5)
     assert order == ["first", "second"] and gate.admitted == 0
-    with gate.admit(), gate.model():  # free again
+    with gate():  # free again
         pass
     slow = ModelGate(concurrency=1, waiting=1, timeout=0.05)
-    with slow.model():
+    with slow():
         with pytest.raises(Busy, match="stayed busy"):
-            with slow.model():
+            with slow():
                 pass
 
 
 def test_a_cached_board_does_not_wait_for_the_model(tmp_path):
     lb = service(tmp_path)
     lb.board(("be brief",), lb.choose(None))
-    with lb.gate.admit(), lb.gate.model():  # the model busy with another board
+    with lb.gate():  # the model busy with another board
         started = time.perf_counter()
         lb.board(("be brief",), lb.choose(["music"]))
         assert time.perf_counter() - started < 5
-    # a full line refuses a new board before tokenizing it
+    # a full line refuses a new board at once
     full = service(tmp_path, gate=ModelGate(concurrency=1, waiting=0))
-    with full.gate.admit():
+    with full.gate():
         with pytest.raises(Busy):
             full.board(("be kind",), full.choose(None))
     assert scored(full) == 0
@@ -316,3 +316,27 @@ def test_the_default_board_ranks_under_the_generic_criterion(tmp_path):
     assert doc["criteria"] == ["General user preference"] and doc["topics"] == list(TOPICS)
     assert doc["interval"]["resamples"] == 200
     assert [r["rank"] for r in doc["rows"]] == [1, 2, 3]
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def test_crm_usl_serves_the_demo_by_default_and_says_how_to_make_it(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    from crm.cli.usl import basic_auth, check_inputs
+
+    monkeypatch.setenv("CRM_ROOT", str(tmp_path))
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        cfg = compose("usl")
+    assert cfg.checkpoint == f"{tmp_path}/outputs/demo/export"
+    assert cfg.bench == f"{tmp_path}/.cache/demo/raw/bench.jsonl"
+    assert (cfg.host, cfg.baseline, cfg.torch_threads) == ("127.0.0.1", "baseline", 1)
+    with pytest.raises(SystemExit, match=r"(?s)outputs/demo/export.*`make demo` makes them"):
+        check_inputs(cfg)
+    monkeypatch.setenv("USL_TEST_AUTH", "ann:s3:cret")
+    assert basic_auth("USL_TEST_AUTH") == ("ann", "s3:cret")
+    monkeypatch.setenv("USL_TEST_AUTH", "ann")
+    with pytest.raises(ValueError, match=r"\$USL_TEST_AUTH: expected user:password"):
+        basic_auth("USL_TEST_AUTH")
+    monkeypatch.setenv("USL_TEST_AUTH", "")
+    assert basic_auth("USL_TEST_AUTH") is None

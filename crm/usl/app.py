@@ -289,6 +289,8 @@ def _rank_endpoint(service: Leaderboards) -> Callable:
     def rank(criteria: str, topics: list[str]) -> dict:
         """The leaderboard as JSON. criteria: one criterion per line; topics: the topics to rank
         on, empty for all. Returns the rows of leaderboard.json with their 95% intervals."""
+        if isinstance(topics, str):  # one topic, not a list of its letters
+            topics = [topics]
         try:
             return service.board(service.criteria(criteria), service.choose(topics or None))
         except BoardError as exc:

@@ -2,10 +2,10 @@
 
 A criteria set is judged over every benchmark pair (all topics), once: topic selection, similarity
 selection and the drill-down only filter those verdicts, so changing topics never calls the model.
-Verdicts are cached (crm.usl.cache); boards derived from them are memoised. The model runs behind
-a gate: a bounded number of scorings at once and a bounded number waiting; one more is refused as
-busy. A request whose verdicts are cached never touches the gate, so it never waits behind
-another user's scoring.
+Verdicts are cached (crm.usl.cache); boards derived from them are memoised. The model and its
+tokenizer run behind a gate: a bounded number of scorings at once and a bounded number waiting;
+one more is refused as busy. A request whose verdicts are cached never touches the gate, so it
+never waits behind another user's scoring.
 
 Bad input raises BoardError with a message for the user, before any model call: empty criteria,
 too many lines or characters, criteria that leave some pair unable to fit the CRM's token budget,
@@ -48,9 +48,8 @@ class Limits:
 
 
 class ModelGate:
-    """At most `concurrency` scorings at once and `waiting` more admitted behind them (each waits
-    at most `timeout` seconds for the model); any more are refused at once as Busy, so that no
-    request hangs and the work an admitted request does before scoring is bounded too."""
+    """At most `concurrency` scorings at once and `waiting` more in line (each for at most
+    `timeout` seconds); any more are refused at once as Busy, so that no request hangs."""
 
     def __init__(self, concurrency: int = 1, waiting: int = 4, timeout: float = 120.0):
         self.concurrency, self.waiting, self.timeout = concurrency, waiting, timeout
@@ -59,7 +58,7 @@ class ModelGate:
         self.admitted = 0
 
     @contextmanager
-    def admit(self):
+    def __call__(self):
         with self._lock:
             if self.admitted >= self.concurrency + self.waiting:
                 raise Busy(f"The CRM is busy scoring other boards ({self.admitted} in progress "
@@ -67,20 +66,15 @@ class ModelGate:
                            "served at once.")
             self.admitted += 1
         try:
-            yield
+            if not self._slots.acquire(timeout=self.timeout):
+                raise Busy(f"The CRM stayed busy for {self.timeout:.0f} s: try again later.")
+            try:
+                yield
+            finally:
+                self._slots.release()
         finally:
             with self._lock:
                 self.admitted -= 1
-
-    @contextmanager
-    def model(self):
-        """The model, once an admitted request's turn comes."""
-        if not self._slots.acquire(timeout=self.timeout):
-            raise Busy(f"The CRM stayed busy for {self.timeout:.0f} s: try again later.")
-        try:
-            yield
-        finally:
-            self._slots.release()
 
 
 @dataclass(frozen=True)
@@ -186,13 +180,14 @@ class Leaderboards:
         outcomes = self.cache.get(fields)
         if outcomes is not None:
             return outcomes
-        with self.gate.admit():
-            self._check_fit(criteria)
-            with self.gate.model():
-                outcomes = self.cache.get(fields)  # scored while this request waited
-                if outcomes is None:
-                    outcomes = self._score(criteria, progress)
-                    self.cache.put(fields, outcomes)
+        # The fit check tokenizes: behind the gate too, since a fast tokenizer must not be used
+        # by two threads at once ("Already borrowed").
+        with self.gate():
+            outcomes = self.cache.get(fields)  # scored while this request waited
+            if outcomes is None:
+                self._check_fit(criteria)
+                outcomes = self._score(criteria, progress)
+                self.cache.put(fields, outcomes)
         return outcomes
 
     def _check_fit(self, criteria: tuple[str, ...]) -> None:
