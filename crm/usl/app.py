@@ -189,17 +189,12 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64) -> gr.Bloc
         params = dict(request.query_params) if request else {}
         if not any(key in params for key in URL_KEYS):
             return tuple(gr.skip() for _ in form + outputs)
-        chosen = [t for t in params.get("topics", "").split("\n") if t] or None
+        chosen = [t for t in params.get("topics", "").split("\n") if t] or topics
         describe = params.get("describe", "")
-        try:
-            k = int(params.get("k", DEFAULT_K))
-        except ValueError:
-            k = DEFAULT_K
-        values = (params.get("criteria", ""), params.get("contrast", ""),
-                  chosen if chosen is not None else topics, describe, k)
-        board = generate(*values[:2], chosen if chosen is not None else topics, describe, k,
-                         progress)
-        return (*values[:2], gr.update(value=[t for t in values[2] if t in topics]), describe,
+        k = int(params["k"]) if params.get("k", "").isdigit() else DEFAULT_K
+        criteria_text, contrast_text = params.get("criteria", ""), params.get("contrast", "")
+        board = generate(criteria_text, contrast_text, chosen, describe, k, progress)
+        return (criteria_text, contrast_text, [t for t in chosen if t in topics], describe,
                 max(1, min(k, len(service.records))), gr.update(selected="custom"), *board)
 
     with gr.Blocks(title=TITLE, analytics_enabled=False) as page:
