@@ -92,10 +92,13 @@ def plot(result: dict, path: str | Path) -> Path:
                       [100 * (r["overall"]["ci_high"] - r["overall"]["win_rate"]) for r in rows]]
         ax.barh(y, overall, color=[cmap(v / 100) for v in overall], edgecolor="#555", lw=0.5,
                 xerr=errors, error_kw={"ecolor": "#333", "elinewidth": 0.9, "capsize": 2.5})
-        for i, v in enumerate(overall):
+        for i, (v, row) in enumerate(zip(overall, rows)):
+            # inside at the bar's base, clear of the interval; a short bar's label after it
             inside = v > 22
-            ax.text(v - 2 if inside else v + 2, i, f"{v:.0f}%", va="center",
-                    ha="right" if inside else "left", fontsize=8.5, fontweight="bold")
+            high = row["overall"]["ci_high"]
+            end = v if high is None else 100 * high
+            ax.text(2 if inside else end + 2, i, f"{v:.0f}%", va="center", ha="left",
+                    fontsize=8.5, fontweight="bold")
         ax.axvline(50, color="#444", ls="--", lw=0.8, zorder=0)
         ax.set_xlim(0, 100)
         ax.set_yticks(list(y), names, fontsize=9)
