@@ -26,13 +26,15 @@ import httpx
 import pytest
 from scorers import export_tiny, run_cli
 
-from crm.data.demo import BENCH_BASELINE, BENCH_MODELS, write_demo
+from crm.data.demo import BENCH_BASELINE, BENCH_MODELS, TRAIN_WORDINGS, write_demo
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
 MODELS = sorted(BENCH_MODELS)
+# Two criteria as the demo's users write them (a CRM trained on the demo follows them)
+CRITERIA = [TRAIN_WORDINGS["concise"][0], TRAIN_WORDINGS["prose"][1]]
 
 
 def free_port() -> int:
@@ -95,16 +97,15 @@ def client(app):
 def test_the_api_equals_crm_leaderboard(app, client, tmp_path):
     from crm.cli.leaderboard import run
 
-    criteria = ["I prefer short answers.", "No bullet points."]
-    doc = client.predict("\n".join(criteria), app["topics"], api_name="/rank")
+    doc = client.predict("\n".join(CRITERIA), app["topics"], api_name="/rank")
     assert set(doc) >= {"criteria", "topics", "examples", "models", "baseline", "version", "rows"}
-    assert doc["criteria"] == criteria and doc["baseline"] == BENCH_BASELINE
+    assert doc["criteria"] == CRITERIA and doc["baseline"] == BENCH_BASELINE
     assert sorted(doc["models"]) == MODELS and sorted(doc["topics"]) == sorted(app["topics"])
     assert f"{app['export'].parent.name}/{app['export'].name}" in doc["version"]
 
     reference = run_cli("leaderboard", run, [
         f"model.path={app['export']}", f"bench={app['bench']}", f"baseline={BENCH_BASELINE}",
-        f"criteria={json.dumps(criteria)}", f"topics={json.dumps(app['topics'])}",
+        f"criteria={json.dumps(CRITERIA)}", f"topics={json.dumps(app['topics'])}",
         "progress=false"], tmp_path / "leaderboard")
     rows = reference["boards"][0]["rows"]
     assert doc["examples"] == reference["examples"]["used"]
@@ -216,7 +217,7 @@ def test_the_page_default_then_customized_board(app, page, tmp_path):
     assert all(not boxes.nth(i).is_checked() for i in range(boxes.count()))
     for topic in app["topics"]:
         page.locator("#topics label").filter(has_text=f"{topic} (").click()
-    page.locator("#criteria textarea").fill("I prefer short answers.\nNo bullet points.")
+    page.locator("#criteria textarea").fill("\n".join(CRITERIA))
     generate(page, expect)
     topics_shown = [t for t in app["all_topics"] if t in app["topics"]]  # the benchmark's order
     columns = ["Rank", "Rank (UB)", "Model", "Overall (%)", "95% CI", *topics_shown]
@@ -250,8 +251,7 @@ def test_the_page_default_then_customized_board(app, page, tmp_path):
     expect(fresh.locator("#board-info")).to_contain_text("# Examples")
     assert column_names(fresh, "#board") == columns
     assert body_rows(fresh, "#board") == rows
-    assert fresh.locator("#criteria textarea").input_value() == ("I prefer short answers.\n"
-                                                                 "No bullet points.")
+    assert fresh.locator("#criteria textarea").input_value() == "\n".join(CRITERIA)
     fresh.close()
 
 

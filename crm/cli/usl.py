@@ -29,7 +29,9 @@ def device_dtype(cfg: DictConfig):
 
     cuda = torch.cuda.is_available()
     device = torch.device(("cuda" if cuda else "cpu") if cfg.device == "auto" else cfg.device)
-    name = ("bfloat16" if device.type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype
+    name = cfg.dtype
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
     if name not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype}: expected auto or one of {', '.join(DTYPES)}")
     return device, getattr(torch, name), name
@@ -47,7 +49,8 @@ def basic_auth(variable: str | None) -> tuple[str, str] | None:
 
 def check_inputs(cfg: DictConfig) -> None:
     """A missing model or benchmark stops the start with what to do about it."""
-    missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "bench") if not Path(cfg[key]).exists()]
+    missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "bench")
+               if not Path(cfg[key]).exists()]
     if missing:
         sys.exit(f"crm-usl: {' and '.join(missing)}: no such file or directory.\n"
                  "The defaults are the demo's CRM and benchmark: `make demo` makes them (about 5 "

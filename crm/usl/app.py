@@ -89,7 +89,8 @@ def info(doc: dict) -> str:
              f"{e(doc['baseline'])} |", "", "Ranked under: "
              + " · ".join(f"“{e(c)}”" for c in doc["criteria"])]
     if "similar_to" in doc:
-        lines.append(f"on the {doc['examples']} queries most similar to “{e(doc['similar_to'])}”")
+        lines.append(f"on the {doc['examples']} queries most similar to "
+                     f"“{e(doc['similar_to'])}”")
     return "\n".join(lines)
 
 
@@ -163,9 +164,10 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64) -> gr.Bloc
                     *[gr.skip()] * (len(outputs) - 1))
         frame = table(doc)
         models = list(service.models)
+        query = link(criteria, contrast, choice.topics, choice.describe, k)
         return ("", info(doc), frame, chart(doc),
                 gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
-                f"[Link to this board]({link(criteria, contrast, choice.topics, choice.describe, k)})",
+                f"[Link to this board]({query})",
                 *_contrast_outputs(versus),
                 gr.update(choices=models, value=None), None, (criteria, choice))
 
