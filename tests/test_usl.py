@@ -162,14 +162,11 @@ def test_crm_fingerprint_follows_the_files(tmp_path):
     meta = json.loads((tmp_path / "copy" / "crm.json").read_text())
     (tmp_path / "copy" / "crm.json").write_text(json.dumps({**meta, "max_tokens": 500}))
     assert crm_fingerprint(tmp_path / "copy") != crm_fingerprint(a)
-    # a crm-train checkpoint: the .ckpt and its run's export
-    run = tmp_path / "run"
-    shutil.copytree(a, run / "export")
-    (run / "checkpoints").mkdir()
-    (run / "checkpoints" / "last.ckpt").write_bytes(b"weights")
-    ckpt = crm_fingerprint(run / "checkpoints" / "last.ckpt")
-    (run / "checkpoints" / "last.ckpt").write_bytes(b"other weights")
-    assert crm_fingerprint(run / "checkpoints" / "last.ckpt") != ckpt
+    # a crm-train checkpoint file (it carries its tokenizer and template)
+    (tmp_path / "last.ckpt").write_bytes(b"weights")
+    ckpt = crm_fingerprint(tmp_path / "last.ckpt")
+    (tmp_path / "last.ckpt").write_bytes(b"other weights")
+    assert crm_fingerprint(tmp_path / "last.ckpt") != ckpt
 
 
 def test_verdict_cache_memory_lru_disk_bound_and_damage(tmp_path, caplog):
@@ -324,6 +321,7 @@ def test_crm_usl_serves_the_demo_by_default_and_says_how_to_make_it(tmp_path, mo
     from hydra import compose, initialize_config_module
 
     from crm.cli.usl import basic_auth, check_inputs
+    from crm.errors import ConfigError
 
     monkeypatch.setenv("CRM_ROOT", str(tmp_path))
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
@@ -331,12 +329,12 @@ def test_crm_usl_serves_the_demo_by_default_and_says_how_to_make_it(tmp_path, mo
     assert cfg.checkpoint == f"{tmp_path}/outputs/demo/export"
     assert cfg.bench == f"{tmp_path}/.cache/demo/raw/bench.jsonl"
     assert (cfg.host, cfg.baseline, cfg.torch_threads) == ("127.0.0.1", "baseline", 1)
-    with pytest.raises(SystemExit, match=r"(?s)outputs/demo/export.*`make demo` makes them"):
+    with pytest.raises(ConfigError, match=r"outputs/demo/export.*`make demo` makes them"):
         check_inputs(cfg)
     monkeypatch.setenv("USL_TEST_AUTH", "ann:s3:cret")
     assert basic_auth("USL_TEST_AUTH") == ("ann", "s3:cret")
     monkeypatch.setenv("USL_TEST_AUTH", "ann")
-    with pytest.raises(ValueError, match=r"\$USL_TEST_AUTH: expected user:password"):
+    with pytest.raises(ConfigError, match=r"\$USL_TEST_AUTH: expected user:password"):
         basic_auth("USL_TEST_AUTH")
     monkeypatch.setenv("USL_TEST_AUTH", "")
     assert basic_auth("USL_TEST_AUTH") is None

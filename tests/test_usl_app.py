@@ -104,7 +104,7 @@ def test_the_api_equals_crm_leaderboard(app, client, tmp_path):
     assert f"{app['export'].parent.name}/{app['export'].name}" in doc["version"]
 
     reference = run_cli("leaderboard", run, [
-        f"model.path={app['export']}", f"bench={app['bench']}", f"baseline={BENCH_BASELINE}",
+        f"checkpoint={app['export']}", f"bench={app['bench']}", f"baseline={BENCH_BASELINE}",
         f"criteria={json.dumps(CRITERIA)}", f"topics={json.dumps(app['topics'])}",
         "progress=false"], tmp_path / "leaderboard")
     rows = reference["boards"][0]["rows"]

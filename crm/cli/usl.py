@@ -18,23 +18,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from crm.cli.common import load_scorer, one_line_config_errors
+from crm.errors import ConfigError
+
 log = logging.getLogger("crm.usl")
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def device_dtype(cfg: DictConfig):
-    """(torch.device, torch.dtype, dtype name) from `device` and `dtype`; auto: CUDA + bfloat16
-    where a GPU is visible, else CPU + float32."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    device = torch.device(("cuda" if cuda else "cpu") if cfg.device == "auto" else cfg.device)
-    name = cfg.dtype
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" else "float32"
-    if name not in DTYPES:
-        raise ValueError(f"dtype={cfg.dtype}: expected auto or one of {', '.join(DTYPES)}")
-    return device, getattr(torch, name), name
 
 
 def basic_auth(variable: str | None) -> tuple[str, str] | None:
@@ -43,7 +30,7 @@ def basic_auth(variable: str | None) -> tuple[str, str] | None:
         return None
     user, sep, password = value.partition(":")
     if not sep or not user or not password:
-        raise ValueError(f"${variable}: expected user:password")
+        raise ConfigError(f"${variable}: expected user:password")
     return user, password
 
 
@@ -52,10 +39,10 @@ def check_inputs(cfg: DictConfig) -> None:
     missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "bench")
                if not Path(cfg[key]).exists()]
     if missing:
-        sys.exit(f"crm-usl: {' and '.join(missing)}: no such file or directory.\n"
-                 "The defaults are the demo's CRM and benchmark: `make demo` makes them (about 5 "
-                 "minutes on 2 CPU cores); or serve yours with\n"
-                 "  crm-usl checkpoint=EXPORT_DIR_OR_CKPT bench=BENCH.jsonl baseline=NAME")
+        raise ConfigError(f"{' and '.join(missing)}: no such file or directory. The defaults are "
+                          "the demo's CRM and benchmark: `make demo` makes them (about 5 minutes "
+                          "on 2 CPU cores); or serve yours with `crm-usl checkpoint=EXPORT_OR_CKPT "
+                          "bench=BENCH.jsonl baseline=NAME`")
 
 
 def build_app(cfg: DictConfig):
@@ -63,7 +50,6 @@ def build_app(cfg: DictConfig):
     import torch
 
     from crm.leaderboard import Bootstrap, select
-    from crm.scoring import CRMScorer
     from crm.usl.app import build, default_board
     from crm.usl.cache import VerdictCache, crm_fingerprint, file_digest
     from crm.usl.service import Leaderboards, Limits, ModelGate, version
@@ -75,13 +61,13 @@ def build_app(cfg: DictConfig):
                        list(cfg.models))
     for r in selection.rejects[:10]:
         log.warning("rejected %s:%s: %s: %s", r["file"], r["line"], r["field"], r["reason"])
-    device, dtype, dtype_name = device_dtype(cfg)
     crm_id, bench_id = crm_fingerprint(cfg.checkpoint), file_digest(Path(cfg.bench))
-    scorer = CRMScorer.load(cfg.checkpoint, batch_size=cfg.batch_size, device=device, dtype=dtype)
+    scorer = load_scorer(cfg)
+    dtype = str(next(scorer.model.parameters()).dtype).removeprefix("torch.")  # what it runs in
     service = Leaderboards(
         scorer, selection, crm_fingerprint=crm_id, bench_fingerprint=bench_id,
         version=version(cfg.checkpoint, crm_id, bench_id), both_orders=cfg.both_orders,
-        dtype=dtype_name, interval=Bootstrap(**cfg.interval), limits=Limits(**cfg.limits),
+        dtype=dtype, interval=Bootstrap(**cfg.interval), limits=Limits(**cfg.limits),
         cache=VerdictCache(cfg.cache.dir, cfg.cache.memory_entries, cfg.cache.disk_entries),
         gate=ModelGate(cfg.serve.scoring, cfg.serve.waiting, cfg.serve.wait_timeout))
     started = time.perf_counter()
@@ -93,6 +79,7 @@ def build_app(cfg: DictConfig):
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="usl")
+@one_line_config_errors
 def main(cfg: DictConfig) -> None:
     from crm.usl.app import launch
 

@@ -26,12 +26,12 @@ from urllib.parse import quote, urlencode
 # Before gradio is imported: no usage report and no version check to outside hosts.
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
-import gradio as gr  # noqa: E402
-import pandas as pd  # noqa: E402
+import gradio as gr
+import pandas as pd
 
-from crm.leaderboard import DEFAULT_CRITERIA  # noqa: E402
-from crm.leaderboard_render import interval  # noqa: E402
-from crm.usl.service import BoardError, Choice, Leaderboards  # noqa: E402
+from crm.leaderboard import DEFAULT_CRITERIA
+from crm.leaderboard_render import interval
+from crm.usl.service import BoardError, Leaderboards
 
 log = logging.getLogger("crm.usl")
 

@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from crm.files import write_json
 from crm.leaderboard import Outcome
 
 log = logging.getLogger("crm.usl")
@@ -27,19 +28,21 @@ def file_digest(path: Path) -> str:
 
 
 def crm_files(checkpoint: str | Path) -> list[Path]:
-    """The files a CRM's scores depend on: an export directory's, or a crm-train .ckpt and its
-    run's export (where CRMScorer.load takes the architecture, tokenizer and template from)."""
+    """The files a CRM's scores depend on: an export directory's or a sharded checkpoint's, or a
+    checkpoint file (crm-train's checkpoints carry their tokenizer and template)."""
     path = Path(checkpoint)
     if path.is_dir():
         return sorted(p for p in path.rglob("*") if p.is_file())
-    return [path, *crm_files(path.parent.parent / "export")]
+    return [path]
 
 
 def crm_fingerprint(checkpoint: str | Path) -> str:
     """sha256 over the CRM's files (names and contents): the weights are read once at start-up."""
+    root = Path(checkpoint)
     digest = hashlib.sha256()
-    for path in crm_files(checkpoint):
-        digest.update(f"{path.name}\0{file_digest(path)}\0".encode())
+    for path in crm_files(root):
+        name = path.relative_to(root) if root.is_dir() else path.name
+        digest.update(f"{name}\0{file_digest(path)}\0".encode())
     return digest.hexdigest()
 
 
@@ -118,12 +121,8 @@ class VerdictCache:
         return outcomes
 
     def _write(self, key: str, fields: dict, outcomes: list[Outcome]) -> None:
-        path = self._path(key)
-        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
-        doc = {"format": FORMAT, "fields": fields,
-               "outcomes": [[o.model, o.topic, o.result, o.p_win, o.idx] for o in outcomes]}
-        tmp.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
-        tmp.replace(path)
+        write_json(self._path(key), {"format": FORMAT, "fields": fields, "outcomes": [
+            [o.model, o.topic, o.result, o.p_win, o.idx] for o in outcomes]})
         files = self._by_age()
         for old in files[:max(0, len(files) - self.disk_entries)]:
             old.unlink(missing_ok=True)

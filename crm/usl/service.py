@@ -23,7 +23,7 @@ from pathlib import Path
 
 from crm.leaderboard import (Bootstrap, Outcome, Selection, judge, kendall_tau, pairs,
                              win_rates)
-from crm.models.export import read_meta
+from crm.models.export import META, read_meta
 from crm.usl.cache import LRU, VerdictCache, verdict_key
 from crm.usl.similarity import QueryIndex
 
@@ -91,11 +91,10 @@ class Choice:
 
 
 def version(checkpoint: str | Path, crm_fingerprint: str, bench_fingerprint: str) -> str:
-    """The CRM's identity as people read it: its run and name, training step and a short hash;
-    and the benchmark's short hash."""
+    """The CRM's identity as people read it: its run and name, the training step an export
+    records, a short hash; and the benchmark's short hash."""
     path = Path(checkpoint)
-    export = path if path.is_dir() else path.parent.parent / "export"
-    step = read_meta(export).get("global_step")
+    step = read_meta(path).get("global_step") if (path / META).is_file() else None
     name = f"{path.parent.name}/{path.name}"
     return (f"{name}{f' step {step}' if step is not None else ''} (crm {crm_fingerprint[:8]}) · "
             f"bench {bench_fingerprint[:8]}")
