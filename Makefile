@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch is pinned on the same command line as the package: alone, pip would pull a CUDA build.
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 
-.PHONY: install demo test lint clean
+.PHONY: install demo usl test lint clean
 
 install: $(BIN)/.installed
 
@@ -32,9 +32,20 @@ demo: install
 	  labels.criteria=detailed 'criteria=["I prefer detailed answers that cover everything."]' \
 	  labels.contrast=concise 'contrast=["I prefer short, to-the-point answers."]'
 
+# The leaderboard web app (crm-usl) on the demo's CRM and benchmark; `make usl ARGS="port=7861"`.
+usl: install
+	$(BIN)/crm-usl $(ARGS)
+
+# The app's browser tests drive Debian's chromium (Playwright never downloads a browser here):
+# installed with apt-get when missing, which needs root (as CI has on a fresh machine).
+CHROMIUM ?= /usr/bin/chromium
+
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
 # The whole suite, the end-to-end tests marked slow included (about 10 minutes on 2 cores);
 # `$(BIN)/python -m pytest -m "not slow"` leaves those out while you work.
-test: install
+test: install $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
 lint: install

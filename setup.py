@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "matplotlib==3.11.2",
     "filelock==4.2.11",
 ]
+APP_REQUIRES = ["gradio==6.31.0", "scikit-learn==1.9.1"]
 
 setup(
     name="crm",
@@ -32,8 +33,12 @@ setup(
     extras_require={
         "gpu": ["flash-attn==2.8.3"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
-        # The tests compose the SLURM launcher config too, so dev includes the slurm extra.
-        "dev": ["pytest==9.2.0", "ruff==0.17.5", "trl==1.16.0", "hydra-submitit-launcher==1.2.0"],
+        # crm-usl, the leaderboard web app. Gradio breaks APIs between minor releases: pinned exactly.
+        "app": APP_REQUIRES,
+        # The tests compose the SLURM launcher config and drive the app (playwright: its browser
+        # tests, with the system's chromium), so dev includes the slurm and app extras.
+        "dev": ["pytest==9.2.0", "ruff==0.17.5", "trl==1.16.0", "hydra-submitit-launcher==1.2.0",
+                "playwright==1.65.2", *APP_REQUIRES],
     },
     entry_points={
         "console_scripts": [
@@ -44,6 +49,7 @@ setup(
             "crm-plan=crm.cli.plan:main",
             "crm-eval=crm.cli.eval:main",
             "crm-leaderboard=crm.cli.leaderboard:main",
+            "crm-usl=crm.cli.usl:main",
         ],
     },
 )

@@ -8,27 +8,45 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def interval(cell: dict) -> str:
+    """A cell's interval as Arena-Hard writes it, "(-x / +y)" in points of %; "" without one."""
+    if cell.get("ci_low") is None:
+        return ""
+    rate = cell["win_rate"]
+    return f"(-{100 * (rate - cell['ci_low']):.1f} / +{100 * (cell['ci_high'] - rate):.1f})"
+
+
+def rate_with_interval(cell: dict) -> str:
+    return f"{_pct(cell['win_rate'])} {interval(cell)}".rstrip()
+
+
 def markdown(result: dict) -> str:
-    """Tables like the reference leaderboard: model, Overall, one column per topic (win rate %)."""
+    """Tables like the reference leaderboard: model, Overall, one column per topic (win rate %),
+    each with its interval, and LMArena's rank upper bound beside the rank."""
     topics = result["topics"]
     counts = result["examples"]
+    level = result.get("interval", {}).get("level", 0.95)
     lines = [f"Baseline: `{result['baseline']}` · {counts['used']} examples used "
              f"({counts['rejected']} rejected, {counts['outside_topics']} outside the selected "
-             f"topics, {counts['read']} read) · win rate (%) against the baseline; "
-             f"Overall is micro-averaged over the examples"
+             f"topics, {counts['read']} read) · win rate (%) against the baseline with its "
+             f"{100 * level:.0f}% bootstrap interval (-x / +y); Overall is micro-averaged over "
+             f"the examples; Rank (UB): 1 + the models whose interval lies wholly above"
              + (" · both orders averaged" if result["both_orders"] else "")]
     for board in result["boards"]:
         with_ties = any(r["overall"]["ties"] for r in board["rows"])
         lines += ["", f"### {board['label']}: " + " / ".join(f'"{c}"' for c in board["criteria"]),
                   ""]
-        head = ["Rank", "Model", "Overall"] + (["Ties"] if with_ties else []) + topics
+        head = (["Rank", "Rank (UB)", "Model", "Overall", f"{100 * level:.0f}% CI"]
+                + (["Ties"] if with_ties else []) + topics)
         lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join(["---:", ":---"] + ["---:"] * (len(head) - 2)) + "|")
+        lines.append("|" + "|".join(["---:", "---:", ":---"] + ["---:"] * (len(head) - 3)) + "|")
         for row in board["rows"]:
-            cells = [str(row["rank"]), row["model"], f"**{_pct(row['overall']['win_rate'])}**"]
+            overall = row["overall"]
+            cells = [str(row["rank"]), str(row["rank_ub"]), row["model"],
+                     f"**{_pct(overall['win_rate'])}**", interval(overall) or "-"]
             if with_ties:
-                cells.append(_pct(row["overall"]["tie_rate"]))
-            cells += [_pct(row["topics"][t]["win_rate"]) for t in topics]
+                cells.append(_pct(overall["tie_rate"]))
+            cells += [rate_with_interval(row["topics"][t]) for t in topics]
             lines.append("| " + " | ".join(cells) + " |")
     if "kendall_tau" in result:
         k = result["kendall_tau"]
@@ -44,8 +62,9 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str | Path) -> Path:
-    """leaderboard.png: per board, overall win rates as sorted bars and a model x topic heatmap;
-    with a contrast set, a slope chart of the two rankings with their Kendall tau."""
+    """leaderboard.png: per board, overall win rates as sorted bars with their intervals and a
+    model x topic heatmap; with a contrast set, a slope chart of the two rankings with their
+    Kendall tau."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,11 +86,19 @@ def plot(result: dict, path: str | Path) -> Path:
         overall = [100 * r["overall"]["win_rate"] for r in rows]
         ax = fig.add_subplot(grid[b, 0])
         y = range(len(rows))
-        ax.barh(y, overall, color=[cmap(v / 100) for v in overall], edgecolor="#555", lw=0.5)
-        for i, v in enumerate(overall):
+        errors = None
+        if all(r["overall"]["ci_low"] is not None for r in rows):
+            errors = [[100 * (r["overall"]["win_rate"] - r["overall"]["ci_low"]) for r in rows],
+                      [100 * (r["overall"]["ci_high"] - r["overall"]["win_rate"]) for r in rows]]
+        ax.barh(y, overall, color=[cmap(v / 100) for v in overall], edgecolor="#555", lw=0.5,
+                xerr=errors, error_kw={"ecolor": "#333", "elinewidth": 0.9, "capsize": 2.5})
+        for i, (v, row) in enumerate(zip(overall, rows)):
+            # inside at the bar's base, clear of the interval; a short bar's label after it
             inside = v > 22
-            ax.text(v - 2 if inside else v + 2, i, f"{v:.0f}%", va="center",
-                    ha="right" if inside else "left", fontsize=8.5, fontweight="bold")
+            high = row["overall"]["ci_high"]
+            end = v if high is None else 100 * high
+            ax.text(2 if inside else end + 2, i, f"{v:.0f}%", va="center", ha="left",
+                    fontsize=8.5, fontweight="bold")
         ax.axvline(50, color="#444", ls="--", lw=0.8, zorder=0)
         ax.set_xlim(0, 100)
         ax.set_yticks(list(y), names, fontsize=9)

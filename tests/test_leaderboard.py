@@ -13,9 +13,10 @@ import torch
 from scorers import export_tiny, run_cli, tiny_scorer
 
 from crm.cli.leaderboard import run
-from crm.leaderboard import (DEFAULT_CRITERIA, LOSS, TIE, WIN, Outcome, judge, kendall_tau,
-                             leaderboard, select, win_rates)
-from crm.leaderboard_render import markdown, plot
+from crm.leaderboard import (DEFAULT_CRITERIA, LOSS, TIE, WIN, Bootstrap, Outcome,
+                             bootstrap_intervals, judge, kendall_tau, leaderboard,
+                             rank_upper_bounds, select, win_rates)
+from crm.leaderboard_render import interval, markdown, plot
 from crm.transforms import LABEL_B
 
 
@@ -58,17 +59,53 @@ def test_win_rates_are_micro_averaged_with_ties_apart():
     rows = win_rates(outcomes, ["m1", "m2"], ["small", "big"])
     by = {r["model"]: r for r in rows}
     assert by["m1"]["overall"] == {"n": 4, "wins": 2, "ties": 0, "losses": 2, "win_rate": 0.5,
+                                   "ci_low": 0.0, "ci_high": 1.0,
                                    "tie_rate": 0.0, "mean_p_win": 0.525}
     # micro: (0 + 2) / 4, not the mean of the topic rates (0 + 0.667) / 2
     assert by["m2"]["overall"] == {"n": 4, "wins": 2, "ties": 1, "losses": 1, "win_rate": 0.5,
+                                   "ci_low": 0.0, "ci_high": 1.0,
                                    "tie_rate": 0.25, "mean_p_win": 0.475}
     assert by["m1"]["topics"]["small"]["win_rate"] == 1.0
     assert by["m1"]["topics"]["big"]["win_rate"] == round(1 / 3, 4)
     assert by["m2"]["topics"]["big"] == {"n": 3, "wins": 2, "ties": 1, "losses": 0,
-                                         "win_rate": round(2 / 3, 4), "tie_rate": round(1 / 3, 4),
+                                         "win_rate": round(2 / 3, 4), "ci_low": 0.0,
+                                         "ci_high": 1.0, "tie_rate": round(1 / 3, 4),
                                          "mean_p_win": 0.6}
-    # equal win rates: the higher mean P(win) ranks first
-    assert [(r["rank"], r["model"]) for r in rows] == [(1, "m1"), (2, "m2")]
+    # one example: no interval
+    assert by["m1"]["topics"]["small"]["ci_low"] is None
+    # equal win rates: the higher mean P(win) ranks first; the intervals cannot tell them apart
+    assert [(r["rank"], r["rank_ub"], r["model"]) for r in rows] == [(1, 1, "m1"), (2, 1, "m2")]
+
+
+def test_bootstrap_intervals_by_hand():
+    # two examples, one won: a resample of 2 draws holds 0, 1 or 2 wins with probability 1/4,
+    # 1/2, 1/4, so the 2.5th and 97.5th percentiles of the resampled rates are 0 and 1; all won:
+    # every resample is all won; one example: no interval
+    assert bootstrap_intervals([[1, 0], [1, 1, 1], [1]]) == [(0.0, 1.0), (1.0, 1.0), None]
+    # 100 examples, half won: the rate's standard error is sqrt(.5 * .5 / 100) = 0.05, so the
+    # interval is about 0.5 -/+ 1.96 * 0.05 (resampling noise at 1000 resamples: about 0.01)
+    half = [1.0, 0.0] * 50
+    (low, high), = bootstrap_intervals([half])
+    assert low == pytest.approx(0.5 - 1.96 * 0.05, abs=0.015)
+    assert high == pytest.approx(0.5 + 1.96 * 0.05, abs=0.015)
+    # seeded: the same again; a 50% level is narrower
+    assert bootstrap_intervals([half]) == [(low, high)]
+    (low50, high50), = bootstrap_intervals([half], Bootstrap(level=0.5))
+    assert low < low50 < 0.5 < high50 < high
+    # Arena-Hard's notation, in points of %
+    assert interval({"win_rate": 0.5, "ci_low": low, "ci_high": high}) == (
+        f"(-{100 * (0.5 - low):.1f} / +{100 * (high - 0.5):.1f})")
+    assert interval({"win_rate": 1.0, "ci_low": None, "ci_high": None}) == ""
+
+
+def test_rank_upper_bound_counts_the_models_wholly_above():
+    def row(low, high):
+        return {"overall": {"win_rate": (low + high) / 2, "ci_low": low, "ci_high": high}}
+
+    # a [.6, .8] and b [.5, .7] overlap: both may be first; c [.1, .3] is below both; d [.25, .4]
+    # overlaps c only: c's bound counts a and b, d's too
+    rows = [row(.6, .8), row(.5, .7), row(.1, .3), row(.25, .4)]
+    assert rank_upper_bounds(rows) == [1, 1, 3, 3]
 
 
 def test_judge_puts_the_baseline_in_slot_a_and_counts_wins_ties_losses(tmp_path):
@@ -171,9 +208,15 @@ def test_markdown_and_png_with_a_contrast_set(tmp_path):
     assert [r["model"] for r in result["boards"][1]["rows"]] == ["m3", "m1", "m2"]
     assert result["kendall_tau"]["tau"] == -1.0
     text = markdown(result)
-    assert "| Rank | Model | Overall | t1 | t2 |" in text
-    assert "| 1 | m2 | **100.0** | 100.0 | 100.0 |" in text
-    assert "| 2 | m1 | **50.0** | 100.0 | 0.0 |" in text
+    assert "| Rank | Rank (UB) | Model | Overall | 95% CI | t1 | t2 |" in text
+    assert ("| 1 | 1 | m2 | **100.0** | (-0.0 / +0.0) | 100.0 (-0.0 / +0.0) | 100.0 (-0.0 / +0.0) |"
+            in text)
+    m1 = next(r for r in result["boards"][0]["rows"] if r["model"] == "m1")["overall"]
+    assert m1["win_rate"] == 0.5 and m1["ci_low"] < 0.5 < m1["ci_high"]
+    assert (f"| 2 | 1 | m1 | **50.0** | {interval(m1)} | 100.0 (-0.0 / +0.0) | "
+            f"0.0 (-0.0 / +0.0) |") in text
+    assert result["interval"] == {"level": 0.95, "resamples": 1000, "seed": 0,
+                                  "method": "percentile bootstrap over queries"}
     assert "Kendall tau between the two rankings: **-1.000**" in text
     png = plot(result, tmp_path / "leaderboard.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -305,7 +348,7 @@ def test_the_installed_command(tmp_path):
          f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| Rank | Model | Overall | t1 | t2 |" in proc.stdout
+    assert "| Rank | Rank (UB) | Model | Overall | 95% CI | t1 | t2 |" in proc.stdout
     assert {p.name for p in run_dir.iterdir()} >= {"leaderboard.json", "leaderboard.md",
                                                    "leaderboard.png"}
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from crm.cli.common import checkpoint_argument, load_scorer, one_line_config_errors
 from crm.errors import ConfigError
 from crm.files import write_json
-from crm.leaderboard import leaderboard, select
+from crm.leaderboard import Bootstrap, leaderboard, select
 from crm.leaderboard_render import markdown, plot
 
 log = logging.getLogger("crm.leaderboard")
@@ -68,7 +68,8 @@ def run(cfg: DictConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     result = leaderboard(scorer, selection, criteria, contrast or None,
-                         both_orders=cfg.both_orders, labels=labels)
+                         both_orders=cfg.both_orders, labels=labels,
+                         interval=Bootstrap(**cfg.interval))
     result.update(model=str(cfg.checkpoint), kind=scorer.kind,
                   sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
                   wall_seconds=round(time.time() - started, 1))

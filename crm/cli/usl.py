@@ -1,0 +1,97 @@
+"""crm-usl: serve the User-centric Subjective Leaderboard as a web page (and a JSON API).
+
+    crm-usl checkpoint=DIR bench=FILE baseline=NAME [host=0.0.0.0] [port=7861]
+
+With no overrides it serves the demo's CRM and benchmark when `make demo` has made them. It scores
+the default board (or reads it from the verdict cache), prints the local URL and serves until
+stopped (Ctrl-C or SIGTERM).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from crm.cli.common import load_scorer, one_line_config_errors
+from crm.errors import ConfigError
+
+log = logging.getLogger("crm.usl")
+
+
+def basic_auth(variable: str | None) -> tuple[str, str] | None:
+    value = os.environ.get(variable or "", "")
+    if not value:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise ConfigError(f"${variable}: expected user:password")
+    return user, password
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """A missing model or benchmark stops the start with what to do about it."""
+    missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "bench")
+               if not Path(cfg[key]).exists()]
+    if missing:
+        raise ConfigError(f"{' and '.join(missing)}: no such file or directory. The defaults are "
+                          "the demo's CRM and benchmark: `make demo` makes them (about 5 minutes "
+                          "on 2 CPU cores); or serve yours with `crm-usl checkpoint=EXPORT_OR_CKPT "
+                          "bench=BENCH.jsonl baseline=NAME`")
+
+
+def build_app(cfg: DictConfig):
+    """(page, service): the CRM loaded, the default board ready, the page built (not served)."""
+    import torch
+
+    from crm.leaderboard import Bootstrap, select
+    from crm.usl.app import build, default_board
+    from crm.usl.cache import VerdictCache, crm_fingerprint, file_digest
+    from crm.usl.service import Leaderboards, Limits, ModelGate, version
+
+    check_inputs(cfg)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    selection = select(cfg.bench, cfg.baseline, models=None if cfg.models is None else
+                       list(cfg.models))
+    for r in selection.rejects[:10]:
+        log.warning("rejected %s:%s: %s: %s", r["file"], r["line"], r["field"], r["reason"])
+    crm_id, bench_id = crm_fingerprint(cfg.checkpoint), file_digest(Path(cfg.bench))
+    scorer = load_scorer(cfg)
+    dtype = str(next(scorer.model.parameters()).dtype).removeprefix("torch.")  # what it runs in
+    service = Leaderboards(
+        scorer, selection, crm_fingerprint=crm_id, bench_fingerprint=bench_id,
+        version=version(cfg.checkpoint, crm_id, bench_id), both_orders=cfg.both_orders,
+        dtype=dtype, interval=Bootstrap(**cfg.interval), limits=Limits(**cfg.limits),
+        cache=VerdictCache(cfg.cache.dir, cfg.cache.memory_entries, cfg.cache.disk_entries),
+        gate=ModelGate(cfg.serve.scoring, cfg.serve.waiting, cfg.serve.wait_timeout))
+    started = time.perf_counter()
+    default = default_board(service, cfg.default_criteria)
+    log.info("%s: %d models x %d queries (%d rejected lines); default board in %.1f s",
+             service.version, len(service.models), len(service.records),
+             len(selection.rejects), time.perf_counter() - started)
+    return build(service, default, cfg.serve.queue_size), service
+
+
+@hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="usl")
+@one_line_config_errors
+def main(cfg: DictConfig) -> None:
+    from crm.usl.app import launch
+
+    auth = basic_auth(cfg.auth_env)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes
+    page, service = build_app(cfg)
+    print(f"crm-usl: {service.version}, baseline {service.selection.baseline}; serving on "
+          f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
+          flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
+    launch(page, cfg.host, cfg.port, auth=auth)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
