@@ -29,8 +29,8 @@ from hydra import compose, initialize_config_module
 
 from crm.checkpoint import load_checkpoint, model_weights, resolve_resume
 from crm.data.demo import prepare_demo
-from crm.errors import ConfigError
 from crm.data.manifest import load_manifest
+from crm.errors import ConfigError
 from crm.parallel import SHARDED_META, is_complete_checkpoint
 
 # The subprocess tests are marked slow (15 runs, about 6 minutes on the busy 2-core machine):
