@@ -15,6 +15,12 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "scipy==1.17.1",
     "matplotlib==3.11.2",
+    # crm-data criteria/topics: the official OpenAI client (any OpenAI-compatible endpoint), the
+    # offline topic clustering, the progress bar, and Parquet votes (the Hugging Face downloads).
+    "openai==3.51.0",
+    "scikit-learn==1.9.1",
+    "tqdm==4.70.1",
+    "pyarrow==26.0.1",
 ]
 
 setup(

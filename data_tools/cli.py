@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from crm.records import FORMATS, read_lines
+from crm.records import FORMATS, RecordError, read_lines
 
 
 def _demo(args) -> int:
@@ -34,8 +35,9 @@ def _shard(args) -> int:
     from crm.data.shard import shard
 
     manifest = shard(args.files, args.out_dir, val_fraction=args.val_fraction,
-                     shard_size=args.shard_size, seed=args.seed)
+                     shard_size=args.shard_size, seed=args.seed, fmt=args.format)
     c = manifest["counts"]
+    _print_rejects(Path(args.out_dir) / manifest["rejects"])
     for split, info in manifest["splits"].items():
         sc = info["counts"]
         print(f"{split}: {sc['read']} read, {sc['written']} written to {len(info['shards'])} shards, "
@@ -43,6 +45,17 @@ def _shard(args) -> int:
     print(f"{args.out_dir}: {c['read']} read = {c['written']} written + {c['rejected']} rejected"
           + (f" (see {args.out_dir}/{manifest['rejects']})" if c["rejected"] else ""))
     return 1 if args.strict and c["rejected"] else 0
+
+
+def _print_rejects(path: Path, most: int = 20) -> None:
+    """The first rejects as file:line: field: reason (all of them are in the rejects file)."""
+    with open(path, encoding="utf-8") as rejects:
+        for n, line in enumerate(rejects):
+            if n == most:
+                print(f"... and more in {path}", file=sys.stderr)
+                break
+            r = json.loads(line)
+            print(RecordError(r["reason"], r["field"], r["file"], r["line"]), file=sys.stderr)
 
 
 def _stats(args) -> int:
@@ -70,12 +83,16 @@ def parser() -> argparse.ArgumentParser:
     v.set_defaults(run=_validate)
 
     s = sub.add_parser("shard", help="validated tar shards + manifest.json + rejects.jsonl")
-    s.add_argument("files", nargs="+", metavar="FILE.jsonl", help="training-format JSONL files")
+    s.add_argument("files", nargs="+", metavar="FILE.jsonl",
+                   help="training-format or README-format (criteria + preference) JSONL files")
     s.add_argument("out_dir")
     s.add_argument("--val-fraction", type=float, default=0.05, help="share of lines held for validation")
     s.add_argument("--shard-size", type=int, default=5000, help="most records in one shard")
     s.add_argument("--seed", type=int, default=0, help="seeds the split and the order in shards")
     s.add_argument("--strict", action="store_true", help="exit 1 when any line is rejected")
+    s.add_argument("--format", choices=("train", "test"),
+                   help="the files' format (test = the README's criteria + preference); "
+                        "default: detected per file")
     s.set_defaults(run=_shard)
 
     t = sub.add_parser("stats", help="counts, lengths, criteria per sample, label balance")
