@@ -179,6 +179,11 @@ def _conversation(value, name: str) -> Conversation:
     return tuple(messages)
 
 
+def parse_conversation(value, name: str) -> Conversation:
+    """A chat message list whose first message is the user's query; RecordError naming `name`."""
+    return _conversation(value, name)
+
+
 def _response(value, name: str, query: str) -> Conversation:
     """A benchmark response: plain text (one answer to `query`) or a full conversation."""
     if isinstance(value, str):
