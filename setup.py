@@ -32,11 +32,13 @@ setup(
     # installed crm-train finds it from any directory (Hydra's pkg://crm_configs).
     packages=find_packages(include=["crm", "crm.*", "data_tools", "data_tools.*"]) + ["crm_configs"],
     package_dir={"crm_configs": "configs"},
-    package_data={"crm_configs": ["*.yaml", "*/*.yaml", "*/*/*.yaml"]},
+    package_data={"crm_configs": ["*.yaml", "*/*.yaml", "*/*/*.yaml"], "data_tools": ["*.yaml"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "gpu": ["flash-attn==2.8.3"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
+        # `crm-data topics --embedder DIR`: cluster sentence embeddings of a local model
+        "embed": ["sentence-transformers==6.2.0"],
         # The tests compose the SLURM launcher config too, so dev includes the slurm extra.
         "dev": ["pytest==9.2.0", "trl==1.16.0", "hydra-submitit-launcher==1.2.0"],
     },

@@ -1,4 +1,4 @@
-"""crm-data: demo | validate | shard | stats (DESIGN section 7)."""
+"""crm-data: demo | validate | shard | stats | criteria | topics (DESIGN section 7)."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,46 @@ def _stats(args) -> int:
     return 0
 
 
+def _criteria(args) -> int:
+    from data_tools.criteria import AskConfig, extract, write_summary
+
+    cfg = AskConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
+                    timeout=args.timeout, max_retries=args.max_retries,
+                    answer_attempts=args.answer_attempts, backoff=args.backoff,
+                    max_tokens=args.max_tokens or None, temperature=args.temperature)
+    summary = extract(args.votes, args.out_dir, cfg, fmt=args.format, prompt_path=args.prompt,
+                      progress=not args.no_progress)
+    out = Path(args.out_dir)
+    if args.no_topics:
+        summary["topics"] = None
+        note = f"; no topic ids yet: run `crm-data topics {out / 'train.jsonl'} {out / 'train.jsonl'}`"
+    else:
+        from data_tools.topics import topics
+
+        summary["topics"] = topics(out / "train.jsonl", out / "train.jsonl", k=args.k, seed=args.seed)
+        note = f"; {summary['topics']['topics']} criteria topics ({summary['topics']['table']})"
+    write_summary(out, summary)
+    by_stage = ", ".join(f"{n} {stage}" for stage, n in summary["rejected_by_stage"].items() if n)
+    print(f"{args.votes}: {summary['read']} votes read = {summary['written']} written to "
+          f"{out / 'train.jsonl'} + {summary['rejected']} rejected"
+          + (f" ({by_stage}; see {out / 'rejects.jsonl'})" if by_stage else "") + note)
+    print(f"{summary['asked']} asked ({summary['cached_before']} answered before), "
+          f"{summary['requests']} requests, {summary['retries']} retries, {summary['tokens_in']} "
+          f"tokens in, {summary['tokens_out']} out, {summary['seconds']} s")
+    return 1 if args.strict and summary["rejected"] else 0
+
+
+def _topics(args) -> int:
+    from data_tools.topics import topics
+
+    summary = topics(args.input, args.output, k=args.k, seed=args.seed, embedder=args.embedder)
+    print(f"{args.input}: {summary['read']} read = {summary['written']} written to {args.output} + "
+          f"{summary['rejected']} rejected" + (f" (see {summary['rejects']})" if summary["rejected"] else ""))
+    print(f"{summary['criteria']} criteria ({summary['distinct_criteria']} distinct) in "
+          f"{summary['topics']} topics: {summary['table']}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crm-data", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -98,6 +138,46 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("stats", help="counts, lengths, criteria per sample, label balance")
     t.add_argument("path", help="a JSONL file (any format) or a shard directory")
     t.set_defaults(run=_stats)
+
+    c = sub.add_parser(
+        "criteria", help="votes -> the criteria under which each side wins, from an LLM",
+        description="For each human vote, ask an OpenAI-compatible endpoint (vLLM, SGLang, OpenAI) "
+                    "for the criteria under which response A, and response B, is preferred; write "
+                    "OUT_DIR/train.jsonl (training format, with criteria topics), rejects.jsonl, "
+                    "summary.json. Answers are cached in OUT_DIR/answers.jsonl as they arrive: "
+                    "rerun the same command after a crash to continue. The API key is read from "
+                    "OPENAI_API_KEY when the endpoint needs one.")
+    c.add_argument("votes", help="a .csv, .jsonl or .parquet file of votes")
+    c.add_argument("out_dir")
+    c.add_argument("--base-url", required=True, help="the endpoint, e.g. http://localhost:8000/v1")
+    c.add_argument("--model", required=True, help="the model name the endpoint serves")
+    c.add_argument("--format", choices=("arena-55k", "arena-conversations", "chosen-rejected"),
+                   help="default: detected from the columns")
+    c.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    c.add_argument("--prompt", default=None, help="a prompt template (default: data_tools/criteria_prompt.yaml)")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    c.add_argument("--max-retries", type=int, default=8,
+                   help="retries of a request after a 429, 5xx, timeout or connection error")
+    c.add_argument("--answer-attempts", type=int, default=3,
+                   help="answers asked for when one is not JSON or breaks the schema")
+    c.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry (doubles)")
+    c.add_argument("--max-tokens", type=int, default=1024, help="tokens per answer (0: the server's limit)")
+    c.add_argument("--temperature", type=float, default=None, help="default: the server's")
+    c.add_argument("--k", type=int, default=20, help="criteria topics")
+    c.add_argument("--seed", type=int, default=0, help="seeds the topic clustering")
+    c.add_argument("--no-topics", action="store_true", help="leave the topic ids to `crm-data topics`")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--strict", action="store_true", help="exit 1 when any vote is rejected")
+    c.set_defaults(run=_criteria)
+
+    o = sub.add_parser("topics", help="cluster the criteria into topics; fill the topic ids")
+    o.add_argument("input", metavar="IN.jsonl", help="training records (topic ids missing or replaced)")
+    o.add_argument("output", metavar="OUT.jsonl", help="may be IN.jsonl; the table goes beside it")
+    o.add_argument("--k", type=int, default=20, help="topics")
+    o.add_argument("--seed", type=int, default=0, help="seeds KMeans")
+    o.add_argument("--embedder", default=None,
+                   help="a local sentence-transformers model dir to cluster embeddings (default: TF-IDF)")
+    o.set_defaults(run=_topics)
     return p
 
 

@@ -5,13 +5,10 @@ multi-turn, null turns and non-English text; every bad row named by line, field 
 """
 from __future__ import annotations
 
-import csv
 import json
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from vote_files import arena_55k_row, write_csv, write_jsonl, write_parquet
 
 from crm.records import Message
 from data_tools.votes import read_votes, vote_format
@@ -21,42 +18,16 @@ RU_Q, RU_A, RU_B = "Как сварить яйцо?", "Варите девять
 
 
 def arena_55k_rows() -> list[dict]:
-    """Rows as the 55k's train.csv holds them: prompt/response_* JSON text, a one-hot winner."""
-    def row(id_, prompt, a, b, winner, indent=None):
-        hot = {"model_a": (1, 0, 0), "model_b": (0, 1, 0), "tie": (0, 0, 1)}[winner]
-        return {"id": id_, "model_a": "gpt-4-0613", "model_b": "llama-2-70b-chat",
-                "prompt": json.dumps(prompt, ensure_ascii=False, indent=indent),
-                "response_a": json.dumps(a, ensure_ascii=False),
-                "response_b": json.dumps(b, ensure_ascii=False),
-                "winner_model_a": hot[0], "winner_model_b": hot[1], "winner_tie": hot[2]}
     return [
-        row(30192, ["Is it morally right?"], ["It depends."], ["Yes."], "model_a"),
+        arena_55k_row(30192, ["Is it morally right?"], ["It depends."], ["Yes."], "model_a"),
         # two turns; B's second answer is null (the model failed); the prompt's JSON text spans
         # four lines of the CSV (a quoted cell)
-        row(53567, ["What is the difference\nbetween marriage and a license?", "And in Europe?"],
-            ["A license is paperwork.", "Similar."], ["Marriage is a union.", None], "model_b", indent=1),
-        row(65089, [ZH_Q], [ZH_A], [ZH_B], "tie"),
-        row(96401, [RU_Q], [RU_A], [RU_B], "model_a"),
+        arena_55k_row(53567, ["What is the difference\nbetween marriage and a license?", "And in Europe?"],
+                      ["A license is paperwork.", "Similar."], ["Marriage is a union.", None], "model_b",
+                      indent=1),
+        arena_55k_row(65089, [ZH_Q], [ZH_A], [ZH_B], "tie"),
+        arena_55k_row(96401, [RU_Q], [RU_A], [RU_B], "model_a"),
     ]
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    columns = list(dict.fromkeys(k for r in rows for k in r))  # from_pylist reads the first row's
-    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows]), path)
-    return path
 
 
 def conv(*turns: str) -> tuple[Message, ...]:
