@@ -54,7 +54,7 @@ def cluster(criteria: list[str], k: int, seed: int = 0, embed=None) -> tuple[np.
     if space is None:
         return np.zeros(len(criteria), dtype=int), ["(no terms)"]
     k = min(k, _distinct_points(space))  # texts apart only by stop words are one point
-    labels = KMeans(n_clusters=k, n_init=4, random_state=seed).fit_predict(space)
+    labels = KMeans(n_clusters=k, n_init=8, random_state=seed).fit_predict(space)
     terms = tfidf.get_feature_names_out() if weights is not None else []
     names = []
     for topic in range(k):
