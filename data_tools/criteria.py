@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import yaml
 
 from crm.records import Conversation
@@ -47,6 +48,8 @@ SCHEMA = {
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "criteria", "strict": True, "schema": SCHEMA}}
 ANSWERS, TRAIN, REJECTS, SUMMARY = "answers.jsonl", "train.jsonl", "rejects.jsonl", "summary.json"
+ENDPOINT_ERRORS = (401, 403, 404)  # a wrong key, base URL or model: every request would fail
+TRANSIENT = (408, 409, 429)  # and 5xx, timeouts, connection errors: retried with backoff
 MAX_BACKOFF = 60.0  # seconds
 MAX_RETRY_AFTER = 120.0  # a server asking for a longer pause gets this one
 
@@ -198,8 +201,9 @@ class AskConfig:
     temperature: float | None = None  # None: the server's default
 
     def __post_init__(self):
-        if self.concurrency < 1 or self.max_retries < 0 or self.answer_attempts < 1:
-            raise ValueError("concurrency and answer_attempts must be >= 1, max_retries >= 0")
+        for name, least in (("concurrency", 1), ("answer_attempts", 1), ("max_retries", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name}={getattr(self, name)}: expected at least {least}")
 
 
 class EndpointError(ValueError):
@@ -219,8 +223,6 @@ class Tally:
 async def ask(client, vote: Vote, prompt: CriteriaPrompt, cfg: AskConfig, tally: Tally) -> dict:
     """One vote's final outcome: a cache entry (criteria or an answer reject), or, when no answer
     came, {"failed": reason} (not cached: a rerun asks again)."""
-    import openai
-
     extra = {} if cfg.temperature is None else {"temperature": cfg.temperature}
     if cfg.max_tokens is not None:
         extra["max_completion_tokens"] = cfg.max_tokens
@@ -232,25 +234,20 @@ async def ask(client, vote: Vote, prompt: CriteriaPrompt, cfg: AskConfig, tally:
         try:
             response = await client.chat.completions.create(
                 model=cfg.model, messages=messages, response_format=RESPONSE_FORMAT, **extra)
-        except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as exc:
-            raise EndpointError(f"{cfg.base_url} refused the request ({_describe(exc)}): check "
-                                "OPENAI_API_KEY, --base-url and --model") from None
-        except (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError,
-                openai.ConflictError) as exc:
+        except openai.APIError as exc:
+            status = getattr(exc, "status_code", None)
+            if status in ENDPOINT_ERRORS:
+                raise EndpointError(f"{cfg.base_url} refused the request ({_describe(exc)}): check "
+                                    "OPENAI_API_KEY, --base-url and --model") from None
+            if not (isinstance(exc, openai.APIConnectionError) or status in TRANSIENT
+                    or (status or 0) >= 500):
+                return {"failed": f"request refused: {_describe(exc)}"}  # e.g. 400: this vote only
             failures += 1
             if failures > cfg.max_retries:
                 return {"failed": f"no answer after {failures} attempts: {_describe(exc)}"}
             tally.retries += 1
             await asyncio.sleep(_backoff(cfg.backoff, failures, exc))
             continue
-        except openai.APIStatusError as exc:  # e.g. 400: this request, not the endpoint
-            if exc.status_code == 408:  # a request timeout on the server's side: transient
-                failures += 1
-                if failures <= cfg.max_retries:
-                    tally.retries += 1
-                    await asyncio.sleep(_backoff(cfg.backoff, failures, exc))
-                    continue
-            return {"failed": f"request refused: {_describe(exc)}"}
         if response.usage is not None:
             usage["in"] += response.usage.prompt_tokens
             usage["out"] += response.usage.completion_tokens
@@ -295,8 +292,6 @@ async def ask_all(votes: list[Vote], prompt: CriteriaPrompt, cfg: AskConfig, cac
 
     Returns the tally and {vote id: reason} of the votes that got no answer in this run.
     """
-    import openai
-
     tally, failed = Tally(), {}
     pending = iter(votes)
     client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=os.environ.get("OPENAI_API_KEY") or "none",
@@ -397,7 +392,7 @@ def _write_outputs(votes_path, fmt, out: Path, prompt: CriteriaPrompt, cfg: AskC
             vote = row.vote
             entry = cache.get(_key(vote, prompt, cfg))
             if entry is None:
-                reject(vote.id, vote.line, "request", failed[vote.id])
+                reject(vote.id, vote.line, "request", failed.get(vote.id, "not asked"))
             elif "reject" in entry:
                 reject(vote.id, vote.line, "answer", entry["reject"], answer=entry["answer"])
             else:
