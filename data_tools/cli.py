@@ -146,7 +146,11 @@ def parser() -> argparse.ArgumentParser:
                     "OUT_DIR/train.jsonl (training format, with criteria topics), rejects.jsonl, "
                     "summary.json. Answers are cached in OUT_DIR/answers.jsonl as they arrive: "
                     "rerun the same command after a crash to continue. The API key is read from "
-                    "OPENAI_API_KEY when the endpoint needs one.")
+                    "OPENAI_API_KEY when the endpoint needs one.",
+        epilog="Vote formats (docs/DATA_PIPELINE.md): arena-55k (id, prompt, response_a, response_b "
+               "as JSON turn lists, winner_model_a/winner_model_b/winner_tie); arena-conversations "
+               "(question_id or id, conversation_a, conversation_b, winner); chosen-rejected "
+               "(chosen, rejected, optional prompt and id). Files: .csv, .jsonl/.json, .parquet.")
     c.add_argument("votes", help="a .csv, .jsonl or .parquet file of votes")
     c.add_argument("out_dir")
     c.add_argument("--base-url", required=True, help="the endpoint, e.g. http://localhost:8000/v1")

@@ -182,6 +182,9 @@ def test_rerun_asks_only_the_votes_without_an_answer(tmp_path, capsys):
         assert run(capsys, *args)[0] == 0
         first = json.loads((out / "summary.json").read_text())
         assert first["rejected_by_stage"] == {"input": 0, "answer": 1, "request": 1}
+        prompt_hash = CriteriaPrompt.load().hash  # recorded in the summary and in every answer
+        assert first["prompt_hash"] == prompt_hash
+        assert {e["prompt_hash"] for e in jsonl(out / ANSWERS)} == {prompt_hash}
         answered = dict(stub.answers)
         # the rerun asks the vote whose requests failed, and nothing else: the answer reject is
         # an answer too (its raw text is kept), and asking again would pay again
