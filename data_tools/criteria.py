@@ -354,8 +354,10 @@ def extract(votes_path: str | Path, out_dir: str | Path, cfg: AskConfig, *, fmt:
                     cached += 1
         bar = tqdm(total=len(todo), unit="vote", desc="criteria", disable=not progress or not todo,
                    mininterval=1.0)
+        asking = time.perf_counter()
         with bar:
             tally, failed = asyncio.run(ask_all(todo, prompt, cfg, cache, bar))
+        asking = time.perf_counter() - asking
         summary = _write_outputs(votes_path, fmt, out, prompt, cfg, cache, failed)
     finally:
         cache.close()
@@ -363,7 +365,7 @@ def extract(votes_path: str | Path, out_dir: str | Path, cfg: AskConfig, *, fmt:
     summary.update(
         cached_before=cached, asked=len(todo), requests=tally.requests, retries=tally.retries,
         tokens_in=tally.tokens_in, tokens_out=tally.tokens_out,
-        seconds=round(time.perf_counter() - start, 2))
+        ask_seconds=round(asking, 3), seconds=round(time.perf_counter() - start, 2))
     return summary
 
 
