@@ -16,8 +16,14 @@ INSTALL_REQUIRES = [
     "scipy==1.17.1",
     "matplotlib==3.11.2",
     "filelock==4.2.11",
+    # crm-data criteria/topics: the official OpenAI client (any OpenAI-compatible endpoint), the
+    # offline topic clustering, the progress bar, and Parquet votes (the Hugging Face downloads).
+    "openai==3.51.0",
+    "scikit-learn==1.9.1",
+    "tqdm==4.70.1",
+    "pyarrow==26.0.1",
 ]
-APP_REQUIRES = ["gradio==6.31.0", "scikit-learn==1.9.1"]
+APP_REQUIRES = ["gradio==6.31.0"]  # scikit-learn (similarity selection) is a core requirement
 
 setup(
     name="crm",
@@ -28,13 +34,15 @@ setup(
     # installed crm-train finds it from any directory (Hydra's pkg://crm_configs).
     packages=find_packages(include=["crm", "crm.*", "data_tools", "data_tools.*"]) + ["crm_configs"],
     package_dir={"crm_configs": "configs"},
-    package_data={"crm_configs": ["*.yaml", "*/*.yaml", "*/*/*.yaml"]},
+    package_data={"crm_configs": ["*.yaml", "*/*.yaml", "*/*/*.yaml"], "data_tools": ["*.yaml"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "gpu": ["flash-attn==2.8.3"],
         "slurm": ["hydra-submitit-launcher==1.2.0"],
         # crm-usl, the leaderboard web app. Gradio breaks APIs between minor releases: pinned exactly.
         "app": APP_REQUIRES,
+        # `crm-data topics --embedder DIR`: cluster sentence embeddings of a local model
+        "embed": ["sentence-transformers==6.2.0"],
         # The tests compose the SLURM launcher config and drive the app (playwright: its browser
         # tests, with the system's chromium), so dev includes the slurm and app extras.
         "dev": ["pytest==9.2.0", "ruff==0.17.5", "trl==1.16.0", "hydra-submitit-launcher==1.2.0",

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, TypeVar
 
 PREFERENCES = ("model_a", "model_b", "tie")
 ROLES = ("system", "user", "assistant")
+NO_TOPIC = -1  # the topic id of a criterion whose topic is unknown (README-format training records)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class TrainRecord:
     b_topics: tuple[int, ...]
     idx: str | None = None
     topic: str | None = None
+    # A README-format record (`criteria` + `preference`): only the preferred side's criteria are
+    # known. They sit on the preferred side (on both sides for a tie); the other side's are empty.
+    one_sided: bool = False
 
     @property
     def query(self) -> str:
@@ -175,6 +179,11 @@ def _conversation(value, name: str) -> Conversation:
     return tuple(messages)
 
 
+def parse_conversation(value, name: str) -> Conversation:
+    """A chat message list whose first message is the user's query; RecordError naming `name`."""
+    return _conversation(value, name)
+
+
 def _response(value, name: str, query: str) -> Conversation:
     """A benchmark response: plain text (one answer to `query`) or a full conversation."""
     if isinstance(value, str):
@@ -192,8 +201,14 @@ def _same_query(a: Conversation, b: Conversation) -> None:
 
 
 def parse_train(obj) -> TrainRecord:
+    """A training record: the training format, or the README format (see `as_training`).
+
+    Shards keep each input line as it was, so a shard member may be in either format.
+    """
     if not isinstance(obj, dict):
         raise RecordError(f"line is {_type(obj)}, expected a JSON object")
+    if line_format(obj) == "test":
+        return as_training(parse_test(obj))
     winner = _require(obj, "human_winner")
     if winner not in PREFERENCES:
         raise RecordError(f"unknown preference {winner!r}, expected one of {', '.join(PREFERENCES)}",
@@ -238,6 +253,19 @@ def parse_test(obj) -> TestRecord:
     )
 
 
+def as_training(record: TestRecord) -> TrainRecord:
+    """A README-format record as training data: its criteria are the preferred side's (a tie's
+    criteria are shown with the tie label), and the other side's criteria are unknown."""
+    criteria, topics = record.criteria, (NO_TOPIC,) * len(record.criteria)
+    on_a = record.preference in ("model_a", "tie")
+    on_b = record.preference in ("model_b", "tie")
+    return TrainRecord(
+        human_winner=record.preference, model_a=record.model_a, model_b=record.model_b,
+        a_criteria=criteria if on_a else (), b_criteria=criteria if on_b else (),
+        a_topics=topics if on_a else (), b_topics=topics if on_b else (),
+        idx=record.idx, topic=record.topic, one_sided=True)
+
+
 def parse_bench(obj) -> BenchRecord:
     if not isinstance(obj, dict):
         raise RecordError(f"line is {_type(obj)}, expected a JSON object")
@@ -261,16 +289,21 @@ PARSERS: dict[str, Callable[[object], object]] = {
 FORMATS = tuple(PARSERS)
 
 
-def detect_format(obj) -> str:
-    """Guess the format of one JSON object from its keys (for commands that take any file)."""
+def line_format(obj) -> str | None:
+    """The format that one JSON object's keys name, or None when they name none."""
     if isinstance(obj, dict):
-        if "human_winner" in obj:
+        if "human_winner" in obj or "a_criteria" in obj or "b_criteria" in obj:
             return "train"
         if "responses" in obj:
             return "bench"
         if "preference" in obj or "criteria" in obj:
             return "test"
-    return "train"
+    return None
+
+
+def detect_format(obj) -> str:
+    """Guess the format of one JSON object from its keys (for commands that take any file)."""
+    return line_format(obj) or "train"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,23 +324,30 @@ class Line:
 
 
 def parse_line(text: str, parser: Callable[[object], R]) -> R:
+    return parser(_json(text))
+
+
+def _json(text: str):
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise RecordError(f"bad JSON: {exc.msg} at column {exc.colno}") from None
     except RecursionError:
         raise RecordError("bad JSON: nested too deeply") from None
-    return parser(obj)
 
 
-def read_lines(path: str | Path, fmt: str | None = None) -> Iterator[Line]:
-    """Every non-blank line of a JSONL file, parsed; errors are yielded, never raised.
+def read_lines(path: str | Path, fmt: str | None = None,
+               parser: Callable[[object], object] | None = None) -> Iterator[Line]:
+    """Every non-blank line of a JSONL file, parsed; a line's defects are yielded, never raised.
 
-    `fmt` is "train", "test" or "bench"; None detects it from the first line that is an object.
+    `fmt` is "train", "test" or "bench"; None detects it from the first line whose keys name a
+    format. A file holds one format: a line of another format raises a RecordError naming it (one
+    misplaced line means the wrong file, not a bad line). `parser` replaces the format's parser
+    (for files that are a format in the making, e.g. training records before their topics).
     A missing or unreadable file raises OSError (the caller reports it once).
     """
     path = str(path)
-    parser = PARSERS[fmt] if fmt else None
+    file_fmt, fixed_by = fmt, "asked for"
     # Binary, decoded line by line: a bad byte is a defect of its line, not a crash of the file.
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -319,16 +359,19 @@ def read_lines(path: str | Path, fmt: str | None = None) -> Iterator[Line]:
                 continue
             if not text:
                 continue
-            if parser is None:
-                try:
-                    obj = json.loads(text)
-                except (json.JSONDecodeError, RecursionError):
-                    pass
-                else:
-                    if isinstance(obj, dict):  # a non-object line must not fix the format
-                        parser = PARSERS[detect_format(obj)]
             try:
-                record = parse_line(text, parser or parse_train)
+                obj = _json(text)
+            except RecordError as err:
+                yield Line(path, number, text, error=err.at(path, number))
+                continue
+            kind = line_format(obj)
+            if kind and file_fmt is None:
+                file_fmt, fixed_by = kind, f"the format of line {number}"
+            elif kind and kind != file_fmt:
+                raise RecordError(f"a {kind}-format record in a {file_fmt}-format file ({fixed_by}): "
+                                  "a file holds one format", path=path, line=number)
+            try:
+                record = (parser or PARSERS[file_fmt or "train"])(obj)
             except RecordError as err:
                 yield Line(path, number, text, error=err.at(path, number))
             else:

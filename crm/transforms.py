@@ -101,15 +101,34 @@ class CriteriaPool:
         return out
 
 
+def check_one_sided(cfg: TransformConfig) -> None:
+    """Refuse a transform that README-format records cannot follow, before training starts.
+
+    Such a record knows only the preferred side's criteria: a direction that shows the other
+    side's has nothing to show. Noise uses what there is: `add` and `replace` draw from the
+    criteria pool (see `apply_noise`).
+    """
+    directions = [("direction", cfg.direction)]
+    if cfg.warmup_batches:
+        directions.append(("warmup_direction", cfg.warmup_direction))
+    for name, direction in directions:
+        if direction != "original":
+            raise ValueError(
+                f"transform {name}={direction!r} shows the losing side's criteria, but the data "
+                "holds README-format records (criteria + preference), which carry only the "
+                "preferred side's: train them with direction=original")
+
+
 def record_rng(seed: int, epoch: int, key: str) -> random.Random:
     # blake2b, not hash(): Python's string hash differs per process unless PYTHONHASHSEED is fixed.
     digest = hashlib.blake2b(f"{seed}\x1f{epoch}\x1f{key}".encode(), digest_size=8).digest()
     return random.Random(int.from_bytes(digest, "little"))
 
 
-def apply_noise(criteria: list[str], rejected: list[str], rejected_topics, noise: str,
+def apply_noise(criteria: list[str], rejected: list[str] | None, rejected_topics, noise: str,
                 pool: CriteriaPool | None, rng: random.Random, arithmetic: str = "fixed") -> list[str]:
-    """Criteria noise. `rejected` are the criteria of the side that loses under `criteria`."""
+    """Criteria noise. `rejected` are the criteria of the side that loses under `criteria`; None
+    when they are unknown (README-format records), and then `replace` draws from the pool."""
     n = len(criteria)
     if noise == "random":
         noise = rng.choice(("none", "add", "remove", "replace"))
@@ -130,6 +149,10 @@ def apply_noise(criteria: list[str], rejected: list[str], rejected_topics, noise
         # k = floor((n-1)/2) keeps the preferred side's criteria a strict majority; the reference's
         # floor(n/2)-1 does nothing for n = 2, 3 and is negative (a crash) for n = 1.
         k = (n - 1) // 2 if arithmetic == "fixed" else max(0, n // 2 - 1)
+        if rejected is None:
+            if pool is None:
+                raise ValueError("noise 'replace' of a README-format record draws from a criteria pool")
+            rejected = pool.outside((), exclude=criteria)
         k = min(k, len(rejected))
         out = list(criteria)
         for slot, replacement in zip(rng.sample(range(n), k), rng.sample(list(rejected), k)):
@@ -156,12 +179,16 @@ def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: rand
         loser = "model_b" if record.human_winner == "model_a" else "model_a"
         side = record.human_winner if direction == "original" else loser
         label = LABELS[side]
+        if record.one_sided and side == loser:
+            raise ValueError(f"record {key}: direction {direction!r} needs the losing side's "
+                             "criteria; a README-format record has only the preferred side's")
     if side == "model_a":
         chosen, rejected, rejected_topics = record.a_criteria, record.b_criteria, record.b_topics
     else:
         chosen, rejected, rejected_topics = record.b_criteria, record.a_criteria, record.a_topics
-    criteria = apply_noise(list(chosen), list(rejected), rejected_topics, cfg.noise, pool, rng,
-                           cfg.arithmetic)
+    # One-sided: the loser's criteria are unknown, so noise bans no topic and replaces from the pool.
+    rejected, rejected_topics = (None, ()) if record.one_sided else (list(rejected), rejected_topics)
+    criteria = apply_noise(list(chosen), rejected, rejected_topics, cfg.noise, pool, rng, cfg.arithmetic)
     example = PairExample(key, tuple(criteria), record.query, _after_query(record.model_a),
                           _after_query(record.model_b), label, record.topic)
     return swap(example) if rng.random() < cfg.swap_prob else example

@@ -1,11 +1,12 @@
-"""crm-data: demo | validate | shard | stats (DESIGN section 7)."""
+"""crm-data: demo | validate | shard | stats | criteria | topics (DESIGN section 7)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from crm.records import FORMATS, read_lines
+from crm.records import FORMATS, RecordError, read_lines
 
 
 def _demo(args) -> int:
@@ -34,8 +35,9 @@ def _shard(args) -> int:
     from crm.data.shard import shard
 
     manifest = shard(args.files, args.out_dir, val_fraction=args.val_fraction,
-                     shard_size=args.shard_size, seed=args.seed)
+                     shard_size=args.shard_size, seed=args.seed, fmt=args.format)
     c = manifest["counts"]
+    _print_rejects(Path(args.out_dir) / manifest["rejects"])
     for split, info in manifest["splits"].items():
         sc = info["counts"]
         print(f"{split}: {sc['read']} read, {sc['written']} written to {len(info['shards'])} shards, "
@@ -45,10 +47,61 @@ def _shard(args) -> int:
     return 1 if args.strict and c["rejected"] else 0
 
 
+def _print_rejects(path: Path, most: int = 20) -> None:
+    """The first rejects as file:line: field: reason (all of them are in the rejects file)."""
+    with open(path, encoding="utf-8") as rejects:
+        for n, line in enumerate(rejects):
+            if n == most:
+                print(f"... and more in {path}", file=sys.stderr)
+                break
+            r = json.loads(line)
+            print(RecordError(r["reason"], r["field"], r["file"], r["line"]), file=sys.stderr)
+
+
 def _stats(args) -> int:
     from data_tools.stats import stats
 
     print(json.dumps(stats(args.path), indent=1))
+    return 0
+
+
+def _criteria(args) -> int:
+    from data_tools.criteria import AskConfig, extract, write_summary
+
+    cfg = AskConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
+                    timeout=args.timeout, max_retries=args.max_retries,
+                    answer_attempts=args.answer_attempts, backoff=args.backoff,
+                    max_tokens=args.max_tokens or None, temperature=args.temperature)
+    summary = extract(args.votes, args.out_dir, cfg, fmt=args.format, prompt_path=args.prompt,
+                      progress=not args.no_progress)
+    out = Path(args.out_dir)
+    if args.no_topics:
+        summary["topics"] = None
+        note = f"; no topic ids yet: run `crm-data topics {out / 'train.jsonl'} {out / 'train.jsonl'}`"
+    else:
+        from data_tools.topics import topics
+
+        summary["topics"] = topics(out / "train.jsonl", out / "train.jsonl", k=args.k, seed=args.seed)
+        note = f"; {summary['topics']['topics']} criteria topics ({summary['topics']['table']})"
+    write_summary(out, summary)
+    by_stage = ", ".join(f"{n} {stage}" for stage, n in summary["rejected_by_stage"].items() if n)
+    print(f"{args.votes}: {summary['read']} votes read = {summary['written']} written to "
+          f"{out / 'train.jsonl'} + {summary['rejected']} rejected"
+          + (f" ({by_stage}; see {out / 'rejects.jsonl'})" if by_stage else "") + note)
+    print(f"{summary['asked']} asked ({summary['cached_before']} answered before), "
+          f"{summary['requests']} requests, {summary['retries']} retries, {summary['tokens_in']} "
+          f"tokens in, {summary['tokens_out']} out, {summary['seconds']} s")
+    return 1 if args.strict and summary["rejected"] else 0
+
+
+def _topics(args) -> int:
+    from data_tools.topics import topics
+
+    summary = topics(args.input, args.output, k=args.k, seed=args.seed, embedder=args.embedder)
+    print(f"{args.input}: {summary['read']} read = {summary['written']} written to {args.output} + "
+          f"{summary['rejected']} rejected" + (f" (see {summary['rejects']})" if summary["rejected"] else ""))
+    print(f"{summary['criteria']} criteria ({summary['distinct_criteria']} distinct) in "
+          f"{summary['topics']} topics: {summary['table']}")
     return 0
 
 
@@ -70,17 +123,66 @@ def parser() -> argparse.ArgumentParser:
     v.set_defaults(run=_validate)
 
     s = sub.add_parser("shard", help="validated tar shards + manifest.json + rejects.jsonl")
-    s.add_argument("files", nargs="+", metavar="FILE.jsonl", help="training-format JSONL files")
+    s.add_argument("files", nargs="+", metavar="FILE.jsonl",
+                   help="training-format or README-format (criteria + preference) JSONL files")
     s.add_argument("out_dir")
     s.add_argument("--val-fraction", type=float, default=0.05, help="share of lines held for validation")
     s.add_argument("--shard-size", type=int, default=5000, help="most records in one shard")
     s.add_argument("--seed", type=int, default=0, help="seeds the split and the order in shards")
     s.add_argument("--strict", action="store_true", help="exit 1 when any line is rejected")
+    s.add_argument("--format", choices=("train", "test"),
+                   help="the files' format (test = the README's criteria + preference); "
+                        "default: detected per file")
     s.set_defaults(run=_shard)
 
     t = sub.add_parser("stats", help="counts, lengths, criteria per sample, label balance")
     t.add_argument("path", help="a JSONL file (any format) or a shard directory")
     t.set_defaults(run=_stats)
+
+    c = sub.add_parser(
+        "criteria", help="votes -> the criteria under which each side wins, from an LLM",
+        description="For each human vote, ask an OpenAI-compatible endpoint (vLLM, SGLang, OpenAI) "
+                    "for the criteria under which response A, and response B, is preferred; write "
+                    "OUT_DIR/train.jsonl (training format, with criteria topics), rejects.jsonl, "
+                    "summary.json. Answers are cached in OUT_DIR/answers.jsonl as they arrive: "
+                    "rerun the same command after a crash to continue. The API key is read from "
+                    "OPENAI_API_KEY when the endpoint needs one.",
+        epilog="Vote formats (docs/DATA_PIPELINE.md): arena-55k (id, prompt, response_a, response_b "
+               "as JSON turn lists, winner_model_a/winner_model_b/winner_tie); arena-conversations "
+               "(question_id or id, conversation_a, conversation_b, winner); chosen-rejected "
+               "(chosen, rejected, optional prompt and id). Files: .csv, .jsonl/.json, .parquet.")
+    c.add_argument("votes", help="a .csv, .jsonl or .parquet file of votes")
+    c.add_argument("out_dir")
+    c.add_argument("--base-url", required=True, help="the endpoint, e.g. http://localhost:8000/v1")
+    c.add_argument("--model", required=True, help="the model name the endpoint serves")
+    c.add_argument("--format", choices=("arena-55k", "arena-conversations", "chosen-rejected"),
+                   help="default: detected from the columns")
+    c.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    c.add_argument("--prompt", default=None,
+                   help="a prompt template (default: data_tools/criteria_prompt.yaml)")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    c.add_argument("--max-retries", type=int, default=8,
+                   help="retries of a request after a 429, 5xx, timeout or connection error")
+    c.add_argument("--answer-attempts", type=int, default=3,
+                   help="answers asked for when one is not JSON or breaks the schema")
+    c.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry (doubles)")
+    c.add_argument("--max-tokens", type=int, default=1024, help="tokens per answer (0: the server's limit)")
+    c.add_argument("--temperature", type=float, default=None, help="default: the server's")
+    c.add_argument("--k", type=int, default=20, help="criteria topics")
+    c.add_argument("--seed", type=int, default=0, help="seeds the topic clustering")
+    c.add_argument("--no-topics", action="store_true", help="leave the topic ids to `crm-data topics`")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--strict", action="store_true", help="exit 1 when any vote is rejected")
+    c.set_defaults(run=_criteria)
+
+    o = sub.add_parser("topics", help="cluster the criteria into topics; fill the topic ids")
+    o.add_argument("input", metavar="IN.jsonl", help="training records (topic ids missing or replaced)")
+    o.add_argument("output", metavar="OUT.jsonl", help="may be IN.jsonl; the table goes beside it")
+    o.add_argument("--k", type=int, default=20, help="topics")
+    o.add_argument("--seed", type=int, default=0, help="seeds KMeans")
+    o.add_argument("--embedder", default=None,
+                   help="a local sentence-transformers model dir to cluster embeddings (default: TF-IDF)")
+    o.set_defaults(run=_topics)
     return p
 
 

@@ -51,8 +51,10 @@ def stats(path: str | Path) -> dict:
         s["records"] += 1
         if isinstance(record, TrainRecord):
             s["labels"][record.human_winner] += 1
-            s["criteria"][len(record.a_criteria)] += 1
-            s["criteria"][len(record.b_criteria)] += 1
+            # a README-format record knows one side's criteria (both sides hold a tie's)
+            for side in ((record.a_criteria or record.b_criteria,) if record.one_sided
+                         else (record.a_criteria, record.b_criteria)):
+                s["criteria"][len(side)] += 1
             s["words"] += [_words(record.model_a), _words(record.model_b)]
             s["turns"][len(record.model_a)] += 1
         elif isinstance(record, TestRecord):

@@ -17,7 +17,7 @@ import pytest
 
 from crm.data.manifest import load_manifest
 from crm.data.reader import iter_shard
-from crm.records import PREFERENCES
+from crm.records import NO_TOPIC, PREFERENCES
 from data_tools.cli import main
 from crm.data.shard import assign_split
 
@@ -338,6 +338,125 @@ def test_shard_multiple_inputs_get_distinct_keys(tmp_path, mixed, capsys):
     assert all("." not in k for k in keys)  # webdataset cuts keys at the first dot
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     assert Counter(r["file"] for r in rejects) == {str(src): n_bad, str(copy): n_bad}
+
+
+def readme_obj(i: int, **fields) -> dict:
+    """A README-format record ({idx, prompt, model_a, model_b, criteria, preference}) with texts
+    of its own: every 5th a tie, every 7th two turns, every 3rd in another script."""
+    q = ["question {}?", "question {} en français ?", "问题 {}？"][i % 3].format(i)
+    a, b = conv(q, f"answer a {i}"), conv(q, f"answer b {i}")
+    if i % 7 == 6:
+        a += [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "more a"}]
+        b += [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "more b"}]
+    obj = {"idx": f"r{i}", "prompt": q, "model_a": a, "model_b": b,
+           "criteria": [f"c{i}-{j}" for j in range(1 + i % 3)],
+           "preference": "tie" if i % 5 == 4 else ("model_a", "model_b")[i % 2]}
+    obj.update(fields)
+    return obj
+
+
+no_prompt = readme_obj(903)
+del no_prompt["prompt"]
+BAD_README = [
+    ('{"idx": "r900", "prompt": ', "", "bad JSON: Expecting value at column 26"),
+    (dumps(readme_obj(901, preference="model_c")), "preference",
+     "unknown preference 'model_c', expected one of model_a, model_b, tie"),
+    (dumps(readme_obj(902, criteria=[])), "criteria", "empty criteria list"),
+    (dumps(no_prompt), "prompt", "missing field"),
+    ("[1, 2]", "", "line is list, expected a JSON object"),
+    (dumps(readme_obj(904, model_b=[{"role": "user", "content": "question 904?"}])), "model_b",
+     "no assistant message"),
+]
+
+
+def write_readme_file(path: Path, n_good: int = 30) -> dict:
+    """Good README-format lines with BAD_README among them: good {line: text}, bad {line: (field,
+    reason)}."""
+    rows = [(dumps(readme_obj(i)), None) for i in range(n_good)]
+    for k, (text, field, reason) in enumerate(BAD_README):
+        rows.insert(2 + 5 * k, (text, (field, reason)))
+    path.write_text("".join(text + "\n" for text, _ in rows), encoding="utf-8")
+    good = {n: text for n, (text, bad) in enumerate(rows, start=1) if bad is None}
+    bad = {n: bad for n, (_, bad) in enumerate(rows, start=1) if bad is not None}
+    return {"good": good, "bad": bad}
+
+
+@pytest.mark.parametrize("fmt", [[], ["--format", "test"]], ids=["detected", "named"])
+def test_shard_readme_format_writes_every_good_line_and_rejects_exactly_the_bad(tmp_path, capsys, fmt):
+    src = tmp_path / "readme.jsonl"
+    expect = write_readme_file(src)
+    out = tmp_path / "shards"
+    code, stdout, stderr = run(capsys, "shard", src, out, "--val-fraction", "0.25", "--shard-size", "8", *fmt)
+    assert code == 0
+    n_good, n_bad = len(expect["good"]), len(expect["bad"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"] == {"read": n_good + n_bad, "written": n_good, "rejected": n_bad}
+    assert f"{n_good + n_bad} read = {n_good} written + {n_bad} rejected" in stdout
+    # every reject, as file:line: field: reason, on stderr and in rejects.jsonl
+    printed = [ln for ln in stderr.splitlines() if ln.startswith(f"{src}:")]
+    assert len(printed) == n_bad
+    for ln, (number, (field, reason)) in zip(printed, sorted(expect["bad"].items())):
+        assert ln == f"{src}:{number}: " + (f"{field}: " if field else "") + reason
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert {r["line"]: (r["field"], r["reason"]) for r in rejects} == expect["bad"]
+    # every good line once, as it was; every shard counts its one-sided records and ties
+    contents = shard_contents(out)
+    members = {k: obj for recs in contents.values() for k, obj in recs}
+    assert members == {f"l{n:09d}": json.loads(t) for n, t in expect["good"].items()}
+    for info in manifest["splits"].values():
+        for s in info["shards"]:
+            objs = [obj for _, obj in contents[s["url"]]]
+            assert s["one_sided"] == s["records"] == len(objs)
+            assert s["ties"] == sum(o["preference"] == "tie" for o in objs)
+    # the pool holds the train split's README criteria, under no topic
+    train_criteria = {c for s in manifest["splits"]["train"]["shards"]
+                      for _, o in contents[s["url"]] for c in o["criteria"]}
+    pool = manifest["criteria_pool"]
+    assert set(pool["criteria"]) == train_criteria and set(pool["topics"]) == {NO_TOPIC}
+
+
+def test_shard_refuses_a_file_of_mixed_formats_and_a_bench_file(tmp_path, capsys):
+    mixed_file = tmp_path / "mixed.jsonl"
+    lines = [dumps(readme_obj(i)) for i in range(4)] + [dumps(train_obj(4)), dumps(readme_obj(5))]
+    mixed_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "shards"
+    code, _, stderr = run(capsys, "shard", mixed_file, out)
+    assert code == 2
+    assert stderr.strip() == (f"crm-data shard: {mixed_file}:5: a train-format record in a "
+                              "test-format file (the format of line 1): a file holds one format")
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.tmp"))
+    # a named format the file does not have stops at its first line
+    readme = tmp_path / "readme.jsonl"
+    readme.write_text(dumps(readme_obj(0)) + "\n", encoding="utf-8")
+    code, _, stderr = run(capsys, "shard", "--format", "train", readme, out)
+    assert code == 2 and f"{readme}:1: a test-format record in a train-format file (asked for)" in stderr
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(dumps(bench_obj(0)) + "\n", encoding="utf-8")
+    code, _, stderr = run(capsys, "shard", bench, out)
+    assert code == 2
+    assert f"{bench}:1: a bench-format record (prompt + responses) is not training data" in stderr
+    # validate says the same of a mixed file, after the lines before it
+    code, _, stderr = run(capsys, "validate", mixed_file)
+    assert code == 2 and f"{mixed_file}:5: a train-format record" in stderr
+
+
+def test_readme_and_training_files_shard_together(tmp_path, mixed, capsys):
+    src, expect = mixed
+    readme = tmp_path / "readme.jsonl"
+    readme.write_text("".join(dumps(readme_obj(i)) + "\n" for i in range(10)), encoding="utf-8")
+    out = tmp_path / "shards"
+    assert run(capsys, "shard", src, readme, out, "--val-fraction", "0")[0] == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["written"] == len(expect["good"]) + 10
+    (info,) = manifest["splits"]["train"]["shards"]
+    assert info["one_sided"] == 10
+    s = stats_out(capsys, out)["train"]
+    assert s["records"] == len(expect["good"]) + 10
+    # a README record counts its one side (a tie's criteria once)
+    sides = Counter(len(obj["a_criteria"]) for obj in map(json.loads, expect["good"].values()))
+    sides += Counter(len(obj["b_criteria"]) for obj in map(json.loads, expect["good"].values()))
+    sides += Counter(1 + i % 3 for i in range(10))
+    assert s["criteria_per_side"] == {str(k): v for k, v in sorted(sides.items())}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,11 +7,13 @@ import os
 import pytest
 
 from crm.records import (
+    NO_TOPIC,
     BenchRecord,
     Message,
     RecordError,
     TestRecord,
     TrainRecord,
+    as_training,
     load_records,
     parse_bench,
     parse_test,
@@ -329,3 +331,53 @@ def test_missing_file_raises_oserror(tmp_path):
         load_records(tmp_path / "nope.jsonl", "test")
     with pytest.raises(OSError):
         list(read_lines(tmp_path / "nope.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the README format (criteria + preference) as training data
+
+
+@pytest.mark.parametrize("preference, on_a, on_b", [("model_a", True, False),
+                                                    ("model_b", False, True),
+                                                    ("tie", True, True)])
+def test_readme_format_parses_as_a_one_sided_training_record(preference, on_a, on_b):
+    obj = make_test_obj(preference=preference, criteria=["is correct", "is short"], topic="math")
+    record = parse_train(obj)
+    assert record == as_training(parse_test(obj))
+    assert record.one_sided and record.human_winner == preference
+    assert (record.idx, record.topic, record.query) == ("t-1", "math", QUERY)
+    assert record.a_criteria == (("is correct", "is short") if on_a else ())
+    assert record.b_criteria == (("is correct", "is short") if on_b else ())
+    assert record.a_topics == ((NO_TOPIC, NO_TOPIC) if on_a else ())
+    assert record.b_topics == ((NO_TOPIC, NO_TOPIC) if on_b else ())
+    # a README-format defect is reported as the README format's
+    with pytest.raises(RecordError) as info:
+        parse_train(make_test_obj(criteria=[]))
+    assert (info.value.field, info.value.reason) == ("criteria", "empty criteria list")
+    assert not parse_train(make_train_obj()).one_sided
+
+
+@pytest.mark.parametrize("fmt", [None, "test"])
+def test_a_file_mixing_formats_names_the_first_line_of_the_other_format(tmp_path, fmt):
+    path = tmp_path / "mixed.jsonl"
+    # line 1: defective and marks no format; line 2 fixes it (when detected); line 4 is training
+    _write(path, ['{"idx": 1}', line(make_test_obj(idx=2)), line(make_test_obj(idx=3)),
+                  line(make_train_obj(idx=4)), line(make_train_obj(idx=5))])
+    lines = []
+    with pytest.raises(RecordError) as info:
+        for ln in read_lines(path, fmt):
+            lines.append(ln)
+    assert [ln.number for ln in lines] == [1, 2, 3]
+    # before any line names the format, a defective line is read as training data
+    assert lines[0].error.field == ("preference" if fmt else "human_winner")
+    assert lines[1].record.idx == "2"
+    origin = "the format of line 2" if fmt is None else "asked for"
+    assert str(info.value) == (f"{path}:4: a train-format record in a test-format file ({origin}): "
+                               "a file holds one format")
+    # A whole file in another format than the one asked for stops at its first line.
+    with pytest.raises(RecordError, match=r":2: a test-format record in a train-format file \(asked for\)"):
+        list(read_lines(path, "train"))
+    clean_start = tmp_path / "clean_start.jsonl"
+    _write(clean_start, [line(make_test_obj(idx=2)), line(make_train_obj(idx=4))])
+    with pytest.raises(RecordError, match=":2: a train-format record"):
+        load_records(clean_start, "test")

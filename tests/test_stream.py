@@ -417,6 +417,47 @@ def test_stream_reads_shards_written_by_crm_data_shard(tmp_path):
     assert sorted(seen) == [f"l{n:09d}" for n in range(1, 54)]
 
 
+def test_stream_trains_readme_format_shards(tmp_path):
+    """README-format records ({idx, prompt, model_a, model_b, criteria, preference}) sharded as they
+    are: the criteria shown are the record's, the label its preference, ties follow the policy, and
+    a direction that needs the loser's criteria is refused before the first batch."""
+    src = tmp_path / "readme.jsonl"
+    objs = {}
+    for key, r in RECORDS:
+        side = "a" if r["human_winner"] != "model_b" else "b"
+        objs[key] = {"idx": key, "prompt": r["model_a"][0]["content"], "model_a": r["model_a"],
+                     "model_b": r["model_b"], "criteria": r[f"{side}_criteria"],
+                     "preference": r["human_winner"]}
+    src.write_text("".join(json.dumps(o) + "\n" for o in objs.values()))
+    shard([str(src)], tmp_path / "out", val_fraction=0.0, shard_size=10)
+    m = load_manifest(tmp_path / "out")
+    shards = m.shards("train")
+    assert sum(s.one_sided for s in shards) == 53 and sum(s.ties for s in shards) == len(TIES)
+    for direction in ("reverse", "random"):
+        with pytest.raises(ValueError, match=f"direction='{direction}' shows the losing side's"):
+            make_loader(shards, transform=TransformConfig(direction=direction))
+    line_key = {f"l{n:09d}": key for n, key in enumerate(objs, start=1)}
+    for ties in ("drop", "keep"):
+        transform = TransformConfig(ties=ties, noise="replace", swap_prob=0.5)
+        ds = PairStream(shards, TOK, StreamConfig(batch_size=4), transform, m.criteria_pool)
+        batches = list(StreamLoader(ds))
+        keys = [line_key[k] for k in keys_of(batches)]
+        assert sorted(keys) == sorted(DECIDED | (TIES if ties == "keep" else set()))
+        for batch in batches:
+            for i, k in enumerate(batch["keys"]):
+                key, label, text = line_key[k], int(batch["labels"][i]), row_text(batch, i)
+                preference = objs[key]["preference"]
+                if preference == "tie":
+                    assert label == LABEL_TIE
+                else:  # the label names the slot that shows the preferred response
+                    shown = "alpha" if preference == "model_a" else "beta"
+                    slot = ("## Response A", "## Response B")[label]
+                    assert text.index(slot) < text.index(f"{shown} reply {key}")
+                    assert text.index(f"{shown} reply {key}") < (
+                        text.index("## Response B") if label == 0 else len(text))
+                assert f"{objs[key]['criteria'][0]}" in text  # 2 criteria: replace keeps both
+
+
 # -- 6. pointwise and pairwise batches -------------------------------------------------------------
 
 

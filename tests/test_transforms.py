@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from crm.records import parse_test, parse_train
+from crm.records import NO_TOPIC, parse_test, parse_train
 from crm.transforms import (
     LABEL_A,
     LABEL_B,
@@ -19,6 +19,7 @@ from crm.transforms import (
     CriteriaPool,
     TransformConfig,
     apply_noise,
+    check_one_sided,
     eval_example,
     record_rng,
     swap,
@@ -473,3 +474,93 @@ def test_direction_warmup_switches_at_the_batch_count():
         TransformConfig(warmup_direction="sideways", warmup_batches=1)
     with pytest.raises(ValueError, match="warmup_batches"):
         TransformConfig(warmup_batches=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# README-format records (criteria + preference): one side's criteria
+
+
+def readme_record(n: int, preference: str, idx: str = "rm"):
+    """A README-format record with `n` criteria on a two-turn conversation pair."""
+    d = record_dict(0, 0, idx=idx)
+    return parse_train({"idx": idx, "prompt": QUERY, "model_a": d["model_a"], "model_b": d["model_b"],
+                        "criteria": [f"{idx} c{i}" for i in range(n)], "preference": preference,
+                        "topic": "travel"})
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("preference", ["model_a", "model_b"])
+def test_readme_record_shows_its_criteria_and_the_label_is_the_preference(n, preference):
+    record = readme_record(n, preference)
+    for swap_prob in (0.0, 1.0):
+        cfg = TransformConfig(direction="original", swap_prob=swap_prob)
+        ex = train_example(record, "k", cfg, record_rng(0, 0, "k"))
+        assert ex.criteria == tuple(f"rm c{i}" for i in range(n))
+        label = LABEL_OF_SIDE[preference]
+        assert ex.label == (label if swap_prob == 0 else 1 - label)
+        preferred = (record.model_a if preference == "model_a" else record.model_b)[1:]
+        assert (ex.conv_a if ex.label == LABEL_A else ex.conv_b) == preferred
+
+
+def test_readme_tie_follows_the_tie_policy():
+    tie = readme_record(2, "tie")
+    with pytest.raises(ValueError, match="a tie reached the transforms"):
+        train_example(tie, "k", TransformConfig(), record_rng(0, 0, "k"))
+    for i in range(20):
+        ex = train_example(tie, f"k{i}", TransformConfig(ties="keep"), record_rng(0, 0, f"k{i}"))
+        assert ex.label == LABEL_TIE and ex.criteria == ("rm c0", "rm c1")
+
+
+@pytest.mark.parametrize("cfg, field", [
+    (TransformConfig(direction="reverse"), "direction='reverse'"),
+    (TransformConfig(direction="random"), "direction='random'"),
+    (TransformConfig(warmup_direction="reverse", warmup_batches=10), "warmup_direction='reverse'"),
+    (TransformConfig(direction="random", warmup_batches=10), "direction='random'"),  # the curriculum
+])
+def test_directions_that_need_the_losers_criteria_are_refused_at_start(cfg, field):
+    with pytest.raises(ValueError, match=rf"transform {field} shows the losing side's criteria.*"
+                                         "direction=original"):
+        check_one_sided(cfg)
+    # and, should a record get that far, at the record
+    record = readme_record(2, "model_a", idx="rm-9")
+    with pytest.raises(ValueError, match="record k: direction 'reverse' needs the losing side's"):
+        train_example(record, "k", TransformConfig(direction="reverse"), record_rng(0, 0, "k"))
+
+
+def test_original_direction_and_every_noise_pass_the_start_check():
+    for noise in ("none", "add", "remove", "replace", "random"):
+        check_one_sided(TransformConfig(noise=noise))
+    check_one_sided(TransformConfig(warmup_direction="reverse", warmup_batches=0))
+
+
+def test_readme_criteria_join_the_pool_under_no_topic():
+    records = [readme_record(2, "model_b", idx="x"), readme_record(1, "tie", idx="y"), build(1, "model_a")]
+    pool = CriteriaPool.from_records(records)
+    assert dict(zip(pool.criteria, pool.topics)) == {
+        "x c0": NO_TOPIC, "x c1": NO_TOPIC, "y c0": NO_TOPIC,
+        "n1-model_a a0": 10, "n1-model_a b0": 20, "n1-model_a b1": 21}
+
+
+@pytest.mark.parametrize("n", NS)
+def test_readme_noise_add_and_replace_draw_from_the_pool(n):
+    record = readme_record(n, "model_a")
+    others = [parse_train(d) for d in extra_pool_dicts()]
+    pool = CriteriaPool.from_records([record, *others])
+    foreign = {c for r in others for c in r.a_criteria + r.b_criteria}
+    own = set(record.a_criteria)
+    for i in range(30):
+        rng = record_rng(0, 0, f"k{i}")
+        add = train_example(record, f"k{i}", TransformConfig(noise="add", swap_prob=0.0), rng, pool)
+        assert own <= set(add.criteria) and len(add.criteria) == n + n // 2
+        assert set(add.criteria) - own <= foreign  # no topic is banned: the loser's are unknown
+        rep = train_example(record, f"k{i}", TransformConfig(noise="replace", swap_prob=0.0),
+                            record_rng(0, 0, f"k{i}"), pool)
+        assert len(rep.criteria) == n
+        replaced = [c for c in rep.criteria if c not in own]
+        assert len(replaced) == (n - 1) // 2 and set(replaced) <= foreign
+        rem = train_example(record, f"k{i}", TransformConfig(noise="remove", swap_prob=0.0),
+                            record_rng(0, 0, f"k{i}"), pool)
+        assert set(rem.criteria) <= own and len(rem.criteria) == max(1, n // 2)
+        assert add.label == rep.label == rem.label == LABEL_A
+    with pytest.raises(ValueError, match="'replace' of a README-format record draws from a criteria pool"):
+        apply_noise(["a", "b", "c"], None, (), "replace", None, random.Random(0))

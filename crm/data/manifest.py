@@ -23,6 +23,7 @@ class ShardInfo:
     url: str
     records: int
     ties: int = 0
+    one_sided: int = 0  # README-format records: only the preferred side's criteria (transforms)
 
     def eligible(self, keep_ties: bool) -> int:
         return self.records if keep_ties else self.records - self.ties
@@ -58,7 +59,7 @@ def load_manifest(path: str | Path) -> Manifest:
                          f"this crm reads {FORMAT!r} version {FORMAT_VERSION}")
     root = str(path.parent)
     splits = {
-        name: [ShardInfo(_resolve(root, s["url"]), s["records"], s.get("ties", 0))
+        name: [ShardInfo(_resolve(root, s["url"]), s["records"], s.get("ties", 0), s.get("one_sided", 0))
                for s in split["shards"]]
         for name, split in raw["splits"].items()
     }

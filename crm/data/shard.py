@@ -2,6 +2,8 @@
 
 Nothing is lost silently: every non-blank line read is either written to a shard or written to
 rejects.jsonl with its file, line, field and reason, and the manifest counts both, per split.
+Inputs are training-format or README-format files (`criteria` + `preference`, the test format),
+one format per file; a shard member is its input line as it was.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from pathlib import Path
 
 from crm.data.manifest import write_manifest
 from crm.data.plan import even_split
-from crm.records import read_lines
+from crm.records import BenchRecord, TestRecord, as_training, read_lines
 from crm.transforms import CriteriaPool
+
+TRAINING_FORMATS = ("train", "test")  # the test format is the README's training/test format
 
 SPLITS = ("train", "val")
 REJECTS = "rejects.jsonl"
@@ -48,8 +52,13 @@ def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
 
 
 def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
-          shard_size: int = 5000, seed: int = 0) -> dict:
-    """Write shards for training-format `inputs`; returns the manifest. OSError if unreadable."""
+          shard_size: int = 5000, seed: int = 0, fmt: str | None = None) -> dict:
+    """Write shards for `inputs`; returns the manifest. OSError if unreadable.
+
+    `fmt` ("train" or "test") names the inputs' format; None detects it per file.
+    """
+    if fmt not in (None, *TRAINING_FORMATS):
+        raise ValueError(f"format {fmt!r}: shards hold one of {TRAINING_FORMATS}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction}: expected a fraction in [0, 1)")
     if shard_size < 1:
@@ -64,7 +73,10 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
     try:
         with open(rejects_tmp, "w", encoding="utf-8") as rejects:
             for fi, path in enumerate(inputs):
-                for line in read_lines(path, "train"):
+                for line in read_lines(path, fmt):
+                    if isinstance(line.record, BenchRecord):
+                        raise ValueError(f"{path}:{line.number}: a bench-format record (prompt + "
+                                         "responses) is not training data")
                     key = sample_key(fi, len(inputs), line.number)
                     split = assign_split(seed, key, val_fraction)
                     counts[split]["read"] += 1
@@ -73,7 +85,10 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
                         rejects.write(json.dumps({**line.error.as_dict(), "split": split,
                                                   "raw": line.text}, ensure_ascii=False) + "\n")
                     else:
-                        kept[split].append((key, line.text, line.record))
+                        record = line.record
+                        if isinstance(record, TestRecord):
+                            record = as_training(record)
+                        kept[split].append((key, line.text, record))
     except BaseException:
         rejects_tmp.unlink(missing_ok=True)
         raise
@@ -90,7 +105,8 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
             name = f"{split}-{n:06d}.tar"
             write_tar(out / name, [(f"{k}.json", text.encode("utf-8")) for k, text, _ in chunk])
             ties = sum(r.human_winner == "tie" for _, _, r in chunk)
-            shards.append({"url": name, "records": len(chunk), "ties": ties})
+            one_sided = sum(r.one_sided for _, _, r in chunk)
+            shards.append({"url": name, "records": len(chunk), "ties": ties, "one_sided": one_sided})
         counts[split]["written"] = len(items)
         splits[split] = {"counts": counts[split], "shards": shards}
 

@@ -32,8 +32,8 @@ from crm.data.reader import ShardError, iter_shard_raw, load_member
 from crm.padding import pad_rows
 from crm.prompts import PromptEncoder, PromptTemplate
 from crm.records import RecordError, TrainRecord, parse_train
-from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, record_rng,
-                            train_example)
+from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, check_one_sided,
+                            record_rng, train_example)
 
 MODES = ("pairwise", "pointwise")
 
@@ -80,6 +80,8 @@ class PairStream(IterableDataset):
                              "winner): set ties=drop")
         if transform.noise in ("add", "random") and pool is None:
             raise ValueError(f"noise={transform.noise!r} draws from a criteria pool: give the manifest's")
+        if any(s.one_sided for s in shards):
+            check_one_sided(transform)
         self.shards, self.tokenizer, self.cfg, self.transform = shards, tokenizer, cfg, transform
         self.pool, self.rank, self.world = pool, rank, world
         self.epoch = 0
@@ -106,7 +108,9 @@ class PairStream(IterableDataset):
             url, seen, taken = seg.shard.url, 0, 0
             for key, data in iter_shard_raw(url):
                 obj = load_member(url, key, data)
-                if not keep_ties and isinstance(obj, dict) and obj.get("human_winner") == "tie":
+                # a README-format member has `preference` where the training format has `human_winner`
+                winner = obj.get("human_winner", obj.get("preference")) if isinstance(obj, dict) else None
+                if not keep_ties and winner == "tie":
                     continue
                 seen += 1
                 if seen <= seg.skip:
