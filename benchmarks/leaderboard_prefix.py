@@ -1,4 +1,4 @@
-"""Leaderboard judging with and without prefix reuse (DESIGN section 8, shared/PERF.md).
+"""Leaderboard judging with and without prefix reuse (docs/DESIGN.md section 8, docs/PERFORMANCE.md).
 
 Prints one JSON document: pairs/s of `crm.leaderboard.judge` on the demo benchmark (60 queries x 8
 models against the baseline, baseline in slot A) with the plain path and with prefix reuse, the

@@ -1,4 +1,5 @@
-"""Accuracy of a CRM on test files (DESIGN section 8): strict, in both orders, with flip and tie rates."""
+"""Accuracy of a CRM on test files (docs/DESIGN.md section 8): strict, in both orders, with flip and
+tie rates."""
 from __future__ import annotations
 
 from collections import defaultdict

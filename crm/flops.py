@@ -1,4 +1,4 @@
-"""FLOPs per token and MFU for Qwen3 classifiers, in the convention of shared/PERF.md (torchtitan's).
+"""FLOPs per token and MFU for Qwen3 classifiers, in the convention of docs/PERFORMANCE.md (torchtitan's).
 
     training FLOPs per token = 6 N + 12 L H d S     forward only: a third of that
     MFU = real (non-pad) tokens/s x FLOPs per token / peak FLOP/s

@@ -1,4 +1,4 @@
-"""The User-centric Subjective Leaderboard (DESIGN section 8): models ranked for one user's criteria.
+"""The User-centric Subjective Leaderboard (docs/DESIGN.md section 8): models ranked for one user's criteria.
 
 For every benchmark query in the selected topics, each model's response is judged against the
 baseline's under the user's criteria (baseline in slot A, so criteria + query + baseline is a prefix

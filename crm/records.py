@@ -1,4 +1,4 @@
-"""The record formats we read (DESIGN section 3), parsed into typed records.
+"""The record formats we read (docs/DESIGN.md section 3), parsed into typed records.
 
 Plain Python over text: no torch, so data tools and tests stay fast. Every defect becomes a
 `RecordError` that names the file, the line, the field and the reason.

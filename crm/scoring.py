@@ -1,6 +1,6 @@
 """CRMScorer: batched inference with a trained CRM, no trainer needed.
 
-Prefix reuse (DESIGN section 8). In a leaderboard every candidate is compared with the same
+Prefix reuse (docs/DESIGN.md section 8). In a leaderboard every candidate is compared with the same
 baseline under the same criteria and query: with the baseline in slot A, the prompt up to the slot-B
 header is the same for every candidate. Such a shared prefix is run once, its keys and values are
 kept, and only each candidate's tokens (its response and the template's tail) run against them.

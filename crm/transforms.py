@@ -1,4 +1,4 @@
-"""Direction, tie policy, A/B swap and criteria noise (DESIGN section 4).
+"""Direction, tie policy, A/B swap and criteria noise (docs/DESIGN.md section 4).
 
 Pure functions of (record, rng). The rng of a record comes from `record_rng(seed, epoch, key)`, so a
 record gets the same draw on any rank, worker or process, and a fresh one each epoch.

@@ -1,4 +1,4 @@
-"""crm-data: demo | validate | shard | stats | criteria | topics (DESIGN section 7)."""
+"""crm-data: demo | validate | shard | stats | criteria | topics (docs/DESIGN.md section 7)."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""crm-data validate | shard | stats: the command-line contract of DESIGN section 7.
+"""crm-data validate | shard | stats: the command-line contract of docs/DESIGN.md section 7.
 
 Everything runs in-process through `data_tools.cli.main`, except one subprocess run of the
 installed `crm-data` script that proves the entry point and its exit code.

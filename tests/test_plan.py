@@ -1,5 +1,5 @@
 """FLOPs (crm.flops), the memory plan (crm.memory) and crm-plan: hand-checked arithmetic, the
-figures of shared/PERF.md, and the CLI for every model size."""
+figures of docs/PERFORMANCE.md, and the CLI for every model size."""
 from __future__ import annotations
 
 import json
@@ -70,7 +70,7 @@ def test_parameter_counts_match_perf_md(shapes):
 
 
 def test_tokens_per_s_at_40_percent_mfu_match_perf_md(shapes):
-    # PERF.md: a Qwen3-4B reward model at 4k tokens and 40% MFU on H100: about 13.6k tokens/s/GPU;
+    # docs/PERFORMANCE.md: a Qwen3-4B reward model at 4k tokens and 40% MFU on H100: about 13.6k tokens/s/GPU;
     # 8B: about 8.1k.
     for arch, expected in (("qwen3-4b", 13.6e3), ("qwen3-8b", 8.1e3)):
         per_token = flops_per_token(shapes[arch], 4096)
@@ -148,7 +148,7 @@ def test_qwen3_4b_and_8b_fit_8_x_80_gib_as_perf_md_says(shapes, arch, states_tot
                     activation_checkpointing=True, gpu_memory_gib=80)
     assert round(p["states_all_gpus_gib"]) == states_total
     assert round(p["states_gib"], 0 if states_per_gpu == 14 else 1) == states_per_gpu
-    assert s.layers * s.hidden * 2 == block_kib * 1024  # block inputs per token (PERF.md)
+    assert s.layers * s.hidden * 2 == block_kib * 1024  # block inputs per token (docs/PERFORMANCE.md)
     assert p["fits"] and p["total_gib"] < 0.5 * p["usable_gib"]
     assert p["activations_checkpointed_gib"] < p["activations_full_gib"] / 5
     assert p["head_gib"] < 0.1

@@ -1,4 +1,4 @@
-"""crm.prompts: templates, chat rendering and the length policy (DESIGN section 5)."""
+"""crm.prompts: templates, chat rendering and the length policy (docs/DESIGN.md section 5)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""crm.records: the three input formats, and how every defect is reported (DESIGN section 3)."""
+"""crm.records: the three input formats, and how every defect is reported (docs/DESIGN.md section 3)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
-"""crm.data: shards -> ranks x workers -> records -> transforms -> prompts -> batches (DESIGN section 2).
+"""crm.data: shards -> ranks x workers -> records -> transforms -> prompts -> batches
+(docs/DESIGN.md section 2).
 
 Exactly once per epoch for any shard count / world / worker count, equal batch counts on every rank,
 mid-epoch resume, fail-fast planning, JSON-only shard reading, pointwise/pairwise batches, length

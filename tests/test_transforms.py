@@ -1,4 +1,4 @@
-"""crm.transforms: direction, ties, A/B swap, criteria noise and seeding (DESIGN section 4)."""
+"""crm.transforms: direction, ties, A/B swap, criteria noise and seeding (docs/DESIGN.md section 4)."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,7 @@
 """Throughput and MFU of training, logged every N optimizer steps as global (all-rank) figures.
 
     perf/tokens_per_s          real (attention-mask) tokens per second, all ranks
-    perf/tokens_per_s_per_gpu  the same over the world size (compare with shared/PERF.md)
+    perf/tokens_per_s_per_gpu  the same over the world size (compare with docs/PERFORMANCE.md)
     perf/padded_tokens_per_s   tokens including padding (rows x padded width), all ranks
     perf/samples_per_s         records per second, all ranks (a pointwise record is two rows)
     perf/mfu                   tokens/s x FLOPs per token / (peak per device x world size);
