@@ -1,6 +1,6 @@
 from setuptools import find_packages, setup
 
-# Versions measured together on the build machine (shared/STACK.md). torch is pinned here AND on the
+# The versions the test suite runs against, pinned together. torch is pinned here AND on the
 # pip command line (Makefile): without the pin in the same command pip resolves a multi-GB CUDA build.
 INSTALL_REQUIRES = [
     "torch==2.13.0",
