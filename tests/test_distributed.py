@@ -82,7 +82,7 @@ def run_env(root: Path, **extra: str) -> dict:
 
 
 def slurm_env(root: Path, job_id: str, rank: int, ntasks: int, port: int, path_prefix=None) -> dict:
-    """One srun task of a job with `ntasks` nodes x 1 task (STACK.md), all on loopback."""
+    """One srun task of a job with `ntasks` nodes x 1 task (docs/DESIGN.md section 10), all on loopback."""
     env = run_env(root, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="crm-test", SLURM_NTASKS=str(ntasks),
                   SLURM_NTASKS_PER_NODE="1", SLURM_NNODES=str(ntasks), SLURM_NODELIST="127.0.0.1",
                   SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_LOCALID="0",
