@@ -20,7 +20,7 @@ $(BIN)/.installed: setup.py
 # evaluate on the held-out test files (outputs/demo/metrics.json). A rerun resumes the same run;
 # `make demo ARGS="name=other"` starts a new one. Then crm-eval (outputs/eval/<name>) and
 # crm-leaderboard under two contradictory criteria sets (outputs/leaderboard/<name>), each pair
-# judged in both orders (the tiny model flips 4-18% of its verdicts when A and B swap).
+# judged in both orders (the tiny model flips 2-25% of its verdicts when A and B swap, by test set).
 demo: install
 	$(BIN)/crm-train $(ARGS)
 	@root=$${CRM_ROOT:-.}; name=$$(echo " $(ARGS)" | sed -n 's/.* name=\([^ ]*\).*/\1/p'); \
