@@ -34,6 +34,7 @@ import openai
 import yaml
 from openai.types.chat import ChatCompletion
 
+from crm.files import write_json
 from crm.records import Conversation
 from data_tools.votes import Vote, read_votes
 
@@ -420,5 +421,4 @@ def _write_outputs(votes_path, fmt, out: Path, prompt: CriteriaPrompt, cfg: AskC
 
 
 def write_summary(out_dir: str | Path, summary: dict) -> None:
-    path = Path(out_dir) / SUMMARY
-    path.write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(Path(out_dir) / SUMMARY, summary)

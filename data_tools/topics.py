@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from crm.files import write_json
 from crm.records import parse_train, read_lines
 
 EXAMPLES = 5
@@ -133,7 +134,7 @@ def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int 
         table.append({"id": topic, "name": name, "size": sum(uses[c] for c in members),
                       "distinct": len(members), "examples": members[:EXAMPLES]})
     table_path = out_path.with_name(out_path.stem + ".topics.json")
-    table_path.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(table_path, table)
     return {"read": good + bad, "written": good, "rejected": bad, "criteria": sum(uses.values()),
             "distinct_criteria": len(criteria), "topics": len(names), "table": str(table_path),
             "rejects": str(rejects_path) if bad else None}

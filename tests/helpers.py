@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import socket
 import tarfile
 from pathlib import Path
 
@@ -129,3 +130,10 @@ def run_as_job(cfg, function):
         return function(cfg)
     finally:
         HydraConfig.instance().cfg = None
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

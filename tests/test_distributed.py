@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import free_port
 from hydra import compose, initialize_config_module
 
 from crm.checkpoint import load_checkpoint, model_weights, resolve_resume
@@ -64,12 +64,6 @@ LOGIT_ATOL = 3e-5  # their exported models' logits (measured <= 7e-6)
 
 
 # -- processes ------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_env(root: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()

@@ -14,7 +14,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from helpers import free_port
 from scorers import export_tiny, run_cli
 
 from crm.data.demo import BENCH_BASELINE, BENCH_MODELS, TRAIN_WORDINGS, write_demo
@@ -35,12 +35,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 MODELS = sorted(BENCH_MODELS)
 # Two criteria as the demo's users write them (a CRM trained on the demo follows them)
 CRITERIA = [TRAIN_WORDINGS["concise"][0], TRAIN_WORDINGS["prose"][1]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
