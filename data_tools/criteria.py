@@ -26,6 +26,7 @@ import json
 import os
 import random
 import time
+from functools import cached_property
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,7 @@ class CriteriaPrompt:
                 raise ValueError(f"{path}: `user` must contain {placeholder} exactly once")
         return cls(spec.get("system", "").strip(), spec["user"].strip(), str(path))
 
-    @property
+    @cached_property  # asked for every vote: the same wording and schema each time
     def hash(self) -> str:
         """What decides an answer besides the vote and the model: the wording and the schema."""
         return _digest({"system": self.system, "user": self.user, "response_format": RESPONSE_FORMAT})
@@ -230,6 +231,7 @@ async def ask(client, vote: Vote, prompt: CriteriaPrompt, cfg: AskConfig, tally:
         body["max_completion_tokens"] = cfg.max_tokens
     if cfg.temperature is not None:
         body["temperature"] = cfg.temperature
+    vote_id, vote_digest, prompt_hash, model = _key(vote, prompt, cfg)
     failures, answers = 0, 0
     usage = {"in": 0, "out": 0}
     while True:
@@ -261,8 +263,8 @@ async def ask(client, vote: Vote, prompt: CriteriaPrompt, cfg: AskConfig, tally:
         answers += 1
         choice = response.choices[0] if response.choices else None
         text = choice.message.content if choice else None
-        entry = {"id": vote.id, "vote_hash": vote_hash(vote), "prompt_hash": prompt.hash,
-                 "model": cfg.model, "answer": text, "usage": usage}
+        entry = {"id": vote_id, "vote_hash": vote_digest, "prompt_hash": prompt_hash,
+                 "model": model, "answer": text, "usage": usage}
         if choice is not None and choice.message.refusal:
             return {**entry, "reject": f"refused: {choice.message.refusal}"}
         try:

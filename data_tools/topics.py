@@ -114,14 +114,15 @@ def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int 
     rejects_path.unlink(missing_ok=True)  # an earlier run's rejects are not this run's
     tmp = out_path.with_name(out_path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as out, open(rejects_path, "a", encoding="utf-8") as rejects:
-        for line in read_lines(in_path, "train", parser=_without_topics):
+        # The parser keeps the decoded object beside its record: the line is decoded once.
+        for line in read_lines(in_path, "train", parser=lambda o: (o, _without_topics(o))):
             if line.error:
                 rejects.write(json.dumps({**line.error.as_dict(), "raw": line.text},
                                          ensure_ascii=False) + "\n")
                 continue
-            obj = json.loads(line.text)
-            obj["a_broad_criteria_topic"] = [topic_of[c] for c in line.record.a_criteria]
-            obj["b_broad_criteria_topic"] = [topic_of[c] for c in line.record.b_criteria]
+            obj, record = line.record
+            obj["a_broad_criteria_topic"] = [topic_of[c] for c in record.a_criteria]
+            obj["b_broad_criteria_topic"] = [topic_of[c] for c in record.b_criteria]
             out.write(json.dumps(obj, ensure_ascii=False) + "\n")
     tmp.replace(out_path)
     if not bad:

@@ -161,7 +161,8 @@ class Leaderboards:
         if unknown:
             raise BoardError(f"Unknown topics: {', '.join(map(repr, unknown))}. The benchmark's "
                              f"topics: {', '.join(self.topic_counts)}.")
-        return Choice(tuple(t for t in self.topic_counts if t in set(topics)))
+        wanted = set(topics)
+        return Choice(tuple(t for t in self.topic_counts if t in wanted))
 
     # -- verdicts --------------------------------------------------------------------------------
 
