@@ -18,8 +18,8 @@ from dataclasses import replace
 from crm.data.manifest import load_manifest
 from crm.data.stream import PairStream, StreamConfig, StreamLoader
 from crm.models.tokenizer import train_bpe_tokenizer
-from crm.records import read_lines
-from crm.transforms import TransformConfig
+from crm.core.records import read_lines
+from crm.data.transforms import TransformConfig
 from crm.data.demo import write_demo
 from crm.data.shard import shard
 

@@ -1,6 +1,6 @@
 """Leaderboard judging with and without prefix reuse (docs/DESIGN.md section 8, docs/PERFORMANCE.md).
 
-Prints one JSON document: pairs/s of `crm.leaderboard.judge` on the demo benchmark (60 queries x 8
+Prints one JSON document: pairs/s of `crm.evaluation.leaderboard.judge` on the demo benchmark (60 queries x 8
 models against the baseline, baseline in slot A) with the plain path and with prefix reuse, the
 largest score difference between the two, and the token arithmetic: the prefix share p of the
 prompt tokens and the computed fraction (1 - p) + p / N that bounds the speed-up at
@@ -27,12 +27,12 @@ import torch
 from omegaconf import OmegaConf
 
 import crm_configs
-from crm.leaderboard import judge, select
+from crm.evaluation.leaderboard import judge, select
 from crm.models.factory import build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
-from crm.prompts import PromptTemplate
-from crm.records import read_lines
-from crm.scoring import CRMScorer
+from crm.core.prompts import PromptTemplate
+from crm.core.records import read_lines
+from crm.inference.scorer import CRMScorer
 from crm.data.demo import BENCH_BASELINE, TRAIN_WORDINGS, write_demo
 
 CRITERIA = {

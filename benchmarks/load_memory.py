@@ -10,7 +10,7 @@ resident memory before set-up (imports, process group), and the set-up time. Pri
 document. Loadings:
 
 - `crm` (world 1 and 2): CRMModule.configure_model, exactly as crm-train runs it; at world 2 with
-  the FSDP device mesh (crm.parallel.build_sharded: meta build, shard, allocate the local shards,
+  the FSDP device mesh (crm.training.parallel.build_sharded: meta build, shard, allocate the local shards,
   each rank reading its own slices of the safetensors).
 - `rank0_broadcast` (world 2, the alternative): the same meta build and sharding, then rank 0 reads
   the whole checkpoint and set_model_state_dict(full_state_dict, broadcast_from_rank0) sends each
@@ -42,11 +42,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import (AutoModelForSequenceClassification, Qwen3Config,
                           Qwen3ForSequenceClassification)
 
-from crm.lit.module import CRMModule, OptimConfig
+from crm.training.module import CRMModule, OptimConfig
 from crm.models.backbone import init_non_persistent_buffers
-from crm.models.crm import PairwiseCRM
+from crm.models.heads import PairwiseCRM
 from crm.models.factory import build_crm
-from crm.parallel import ParallelConfig, apply_fsdp
+from crm.training.parallel import ParallelConfig, apply_fsdp
 
 LOADINGS = {"crm": (1, 2), "rank0_broadcast": (2,), "every_rank_whole": (2,)}
 NUM_LABELS = 2

@@ -37,13 +37,13 @@ from transformers import AutoTokenizer
 from crm.data.manifest import load_manifest
 from crm.data.reader import iter_shard
 from crm.data.stream import StreamConfig
-from crm.lit.datamodule import CRMDataModule
-from crm.lit.module import CRMModule, OptimConfig
+from crm.training.datamodule import CRMDataModule
+from crm.training.module import CRMModule, OptimConfig
 from crm.models.factory import build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
-from crm.prompts import PromptEncoder, PromptTemplate
-from crm.records import parse_train
-from crm.transforms import LABEL_A, TransformConfig, record_rng, train_example
+from crm.core.prompts import PromptEncoder, PromptTemplate
+from crm.core.records import parse_train
+from crm.data.transforms import LABEL_A, TransformConfig, record_rng, train_example
 from crm.data.demo import write_demo
 from crm.data.shard import shard
 

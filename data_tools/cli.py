@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from crm.records import FORMATS, RecordError, read_lines
+from crm.core.records import FORMATS, RecordError, read_lines
 
 
 def _demo(args) -> int:

@@ -35,8 +35,8 @@ import openai
 import yaml
 from openai.types.chat import ChatCompletion
 
-from crm.files import write_json
-from crm.records import Conversation
+from crm.core.files import write_json
+from crm.core.records import Conversation
 from data_tools.votes import Vote, read_votes
 
 PROMPT = Path(__file__).with_name("criteria_prompt.yaml")

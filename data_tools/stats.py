@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from crm.core.records import BenchRecord, RecordError, TestRecord, TrainRecord, parse_train, read_lines
 from crm.data.manifest import load_manifest
 from crm.data.reader import iter_shard
-from crm.records import BenchRecord, RecordError, TestRecord, TrainRecord, parse_train, read_lines
 
 
 def _summary(values: list[int]) -> dict:

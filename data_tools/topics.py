@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from crm.files import write_json
-from crm.records import parse_train, read_lines
+from crm.core.files import write_json
+from crm.core.records import parse_train, read_lines
 
 EXAMPLES = 5
 NAME_TERMS = 3

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from crm.records import Conversation, RecordError, parse_conversation, parse_line
+from crm.core.records import Conversation, RecordError, parse_conversation, parse_line
 
 VOTE_FORMATS = ("arena-55k", "arena-conversations", "chosen-rejected")
 ARENA_WINNERS = {"model_a": "model_a", "model_b": "model_b", "tie": "tie", "tie (bothbad)": "tie",

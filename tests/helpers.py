@@ -11,8 +11,8 @@ import socket
 import tarfile
 from pathlib import Path
 
+from crm.core.prompts import PAIRWISE_TEMPLATE, POINTWISE_TEMPLATE
 from crm.data.manifest import load_manifest, write_manifest
-from crm.prompts import PAIRWISE_TEMPLATE, POINTWISE_TEMPLATE
 
 WINNERS = ("model_a", "model_b")
 # A small demo data set (crm-train's data=demo with these overrides): seconds to generate.

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 from helpers import run_as_job, tiny_tokenizer
 
+from crm.core.prompts import PromptTemplate
+from crm.inference.scorer import CRMScorer
 from crm.models.factory import build_crm
-from crm.prompts import PromptTemplate
-from crm.scoring import CRMScorer
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, intermediate_size=64, max_position_embeddings=1024)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from crm.errors import ConfigError
-from crm.parallel import DTYPES
+from crm.core.errors import ConfigError
+from crm.training.parallel import DTYPES
 
 
 def model_arch(model: DictConfig, vocab_size: int | None) -> str | dict:
@@ -26,7 +26,7 @@ def load_scorer(cfg: DictConfig):
     """The CRMScorer of `cfg.checkpoint` (an export dir or a crm-train checkpoint)."""
     import torch
 
-    from crm.scoring import CRMScorer
+    from crm.inference.scorer import CRMScorer
 
     if not Path(cfg.checkpoint).exists():
         raise ConfigError(f"checkpoint={cfg.checkpoint}: no such export directory or checkpoint")

@@ -18,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from crm.cli.common import checkpoint_argument, load_scorer, one_line_config_errors
-from crm.errors import ConfigError
-from crm.evaluation import evaluate_files
-from crm.files import write_json
+from crm.core.errors import ConfigError
+from crm.core.files import write_json
+from crm.evaluation.accuracy import evaluate_files
 
 log = logging.getLogger("crm.eval")
 

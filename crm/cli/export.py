@@ -1,7 +1,7 @@
 """crm-export CHECKPOINT OUT_DIR: any saved checkpoint (a file, or an FSDP sharded dir, consolidated)
 -> a HF directory that plain transformers loads.
 
-The checkpoint describes itself (crm.checkpoint): its card holds the tokenizer, the HF config and
+The checkpoint describes itself (crm.models.checkpoint): its card holds the tokenizer, the HF config and
 the prompt template, so a checkpoint exports wherever it has been moved or copied.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from crm.checkpoint import export_checkpoint
+from crm.models.checkpoint import export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

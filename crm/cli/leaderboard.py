@@ -21,12 +21,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from crm.cli.common import checkpoint_argument, load_scorer, one_line_config_errors
-from crm.errors import ConfigError
-from crm.files import write_json
-from crm.leaderboard import Bootstrap, leaderboard, select
-from crm.leaderboard_render import markdown, plot
+from crm.core.errors import ConfigError
+from crm.core.files import write_json
+from crm.evaluation.leaderboard import Bootstrap, leaderboard, select
+from crm.evaluation.render import markdown, plot
 
-log = logging.getLogger("crm.leaderboard")
+log = logging.getLogger("crm.evaluation.leaderboard")
 
 
 def _lines(value) -> list[str]:

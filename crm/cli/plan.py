@@ -3,7 +3,7 @@
     crm-plan model=qwen3-8b [trainer.num_nodes=2 trainer.devices=8 seq_len=8192 ...]
 
 The model is built on the meta device (shapes, no weights): nothing needs a GPU. The formulas and
-their assumptions are in crm/flops.py and crm/memory.py.
+their assumptions are in crm/perf/flops.py and crm/perf/memory.py.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from crm.cli.common import model_arch
-from crm.files import write_json
-from crm.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
-from crm.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
+from crm.core.files import write_json
+from crm.perf.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
+from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
 
 
 def model_shape(model: DictConfig, kind: str) -> ModelShape:

@@ -16,29 +16,29 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from crm.checkpoint import resolve_resume
 from crm.cli.common import model_arch, one_line_config_errors
+from crm.core.errors import ConfigError
+from crm.core.files import write_json
+from crm.core.prompts import PromptTemplate
 from crm.data.demo import prepare_demo
 from crm.data.manifest import load_manifest
 from crm.data.reader import training_texts
 from crm.data.stream import StreamConfig
-from crm.errors import ConfigError
-from crm.evaluation import evaluate_files
-from crm.files import write_json
-from crm.lit.callbacks import CheckpointCard, ExportBest, ShardingReport
-from crm.lit.datamodule import CRMDataModule
-from crm.lit.loggers import make_logger
-from crm.lit.module import CRMModule, OptimConfig
-from crm.lit.preemption import Preemption
-from crm.lit.throughput import Throughput
-from crm.lit.trainer import batch_plan, make_trainer, world_size
+from crm.data.transforms import TransformConfig
+from crm.evaluation.accuracy import evaluate_files
+from crm.inference.scorer import CRMScorer
+from crm.models.checkpoint import resolve_resume
 from crm.models.factory import build_crm
 from crm.models.tokenizer import load_or_train_tokenizer
-from crm.parallel import DTYPES, ParallelConfig
-from crm.prompts import PromptTemplate
-from crm.report import parse_overrides
-from crm.scoring import CRMScorer
-from crm.transforms import TransformConfig
+from crm.training.callbacks import CheckpointCard, ExportBest, ShardingReport
+from crm.training.datamodule import CRMDataModule
+from crm.training.loggers import make_logger
+from crm.training.module import CRMModule, OptimConfig
+from crm.training.parallel import DTYPES, ParallelConfig
+from crm.training.preemption import Preemption
+from crm.training.sweep_report import parse_overrides
+from crm.training.throughput import Throughput
+from crm.training.trainer import batch_plan, make_trainer, world_size
 
 
 def train(cfg: DictConfig) -> dict | None:

@@ -19,9 +19,9 @@ import hydra
 from omegaconf import DictConfig
 
 from crm.cli.common import load_scorer, one_line_config_errors
-from crm.errors import ConfigError
+from crm.core.errors import ConfigError
 
-log = logging.getLogger("crm.usl")
+log = logging.getLogger("crm.app")
 
 
 def basic_auth(variable: str | None) -> tuple[str, str] | None:
@@ -49,10 +49,10 @@ def build_app(cfg: DictConfig):
     """(page, service): the CRM loaded, the default board ready, the page built (not served)."""
     import torch
 
-    from crm.leaderboard import Bootstrap, select
-    from crm.usl.app import build, default_board
-    from crm.usl.cache import VerdictCache, crm_fingerprint, file_digest
-    from crm.usl.service import Leaderboards, Limits, ModelGate, version
+    from crm.app.cache import VerdictCache, crm_fingerprint, file_digest
+    from crm.app.page import build, default_board
+    from crm.app.service import Leaderboards, Limits, ModelGate, version
+    from crm.evaluation.leaderboard import Bootstrap, select
 
     check_inputs(cfg)
     if cfg.torch_threads:
@@ -81,7 +81,7 @@ def build_app(cfg: DictConfig):
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="usl")
 @one_line_config_errors
 def main(cfg: DictConfig) -> None:
-    from crm.usl.app import launch
+    from crm.app.page import launch
 
     auth = basic_auth(cfg.auth_env)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes

@@ -10,8 +10,8 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
-from crm.files import write_json
-from crm.transforms import CriteriaPool
+from crm.core.files import write_json
+from crm.data.transforms import CriteriaPool
 
 FORMAT = "crm-shards"
 FORMAT_VERSION = 1

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import webdataset as wds
 
-from crm.records import parse_train
+from crm.core.records import parse_train
 
 JSON_EXT = "json"
 

@@ -15,10 +15,10 @@ import random
 import tarfile
 from pathlib import Path
 
+from crm.core.records import BenchRecord, TestRecord, as_training, read_lines
+from crm.data.epoch_plan import even_split
 from crm.data.manifest import write_manifest
-from crm.data.plan import even_split
-from crm.records import BenchRecord, TestRecord, as_training, read_lines
-from crm.transforms import CriteriaPool
+from crm.data.transforms import CriteriaPool
 
 TRAINING_FORMATS = ("train", "test")  # the test format is the README's training/test format
 

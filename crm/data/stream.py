@@ -27,12 +27,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from crm.data.manifest import ShardInfo
-from crm.data.plan import RankPlan, plan_rank
+from crm.data.epoch_plan import RankPlan, plan_rank
 from crm.data.reader import ShardError, iter_shard_raw, load_member
-from crm.padding import pad_rows
-from crm.prompts import PromptEncoder, PromptTemplate
-from crm.records import RecordError, TrainRecord, parse_train
-from crm.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, check_one_sided,
+from crm.data.padding import pad_rows
+from crm.core.prompts import PromptEncoder, PromptTemplate
+from crm.core.records import RecordError, TrainRecord, parse_train
+from crm.data.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, check_one_sided,
                             record_rng, train_example)
 
 MODES = ("pairwise", "pointwise")

@@ -65,7 +65,7 @@ def build_classifier(*, num_labels: int, pad_token_id: int | None, path: str | N
     From `path` the model is built on the meta device from the checkpoint's config, then allocated
     on `device` and filled by `load_pretrained`: the weights are read once, into their final place.
     With device="meta" nothing is read and `model.name_or_path` keeps `path`: a caller that shards
-    the model first loads each rank's shards afterwards (crm.parallel.build_sharded).
+    the model first loads each rank's shards afterwards (crm.training.parallel.build_sharded).
     """
     attention = choose_attention(attention)
     if path:

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from crm.files import write_json
-from crm.prompts import PromptTemplate
+from crm.core.files import write_json
+from crm.core.prompts import PromptTemplate
 
 FORMAT_VERSION = 1
 META = "crm.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from crm.models.backbone import build_classifier
-from crm.models.crm import PairwiseCRM, PointwiseCRM
+from crm.models.heads import PairwiseCRM, PointwiseCRM
 
 
 def build_crm(kind: str, *, num_labels: int, pad_token_id: int | None, path: str | None = None,

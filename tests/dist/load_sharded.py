@@ -3,7 +3,7 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/dist/load_sharded.py BATCH OUT CKPT...
 
 Per checkpoint: the meta build, FSDP2 sharding, local shards allocated, each rank reading its own
-slices (crm.parallel.build_sharded, as CRMModule.configure_model calls it), with the generator
+slices (crm.training.parallel.build_sharded, as CRMModule.configure_model calls it), with the generator
 seeded 0 before the build. Rank 0 writes OUT/<checkpoint dir name>.safetensors: the logits of
 BATCH (a safetensors file of input_ids and attention_mask), the whole head and RoPE's inv_freq.
 """
@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 
 from crm.models.factory import build_crm
-from crm.parallel import ParallelConfig, build_sharded
+from crm.training.parallel import ParallelConfig, build_sharded
 
 
 def main(batch_file: str, out_dir: str, checkpoints: list[str]) -> None:

@@ -18,8 +18,8 @@ import torch
 
 import crm.cli.train
 from crm.data.stream import PairStream, StreamLoader
-from crm.lit.datamodule import CRMDataModule
-from crm.padding import pad_rows
+from crm.training.datamodule import CRMDataModule
+from crm.data.padding import pad_rows
 
 WORLD = 2
 

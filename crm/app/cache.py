@@ -1,0 +1,137 @@
+"""What a board's verdicts depend on, and where they are kept: fingerprints, keys, an LRU, disk.
+
+A criteria set is judged once over every benchmark pair; its outcomes are kept under a key that
+hashes everything a verdict depends on: the CRM's fingerprint (the contents of its files), the
+benchmark's (the file's contents), the baseline, the normalised criteria, `both_orders` and the
+dtype. A changed checkpoint or benchmark changes every key, so its old verdicts are never found.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from crm.core.files import write_json
+from crm.evaluation.leaderboard import Outcome
+
+log = logging.getLogger("crm.app")
+FORMAT = 1  # of the files on disk; part of every key
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def crm_files(checkpoint: str | Path) -> list[Path]:
+    """The files a CRM's scores depend on: an export directory's or a sharded checkpoint's, or a
+    checkpoint file (crm-train's checkpoints carry their tokenizer and template)."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return [path]
+
+
+def crm_fingerprint(checkpoint: str | Path) -> str:
+    """sha256 over the CRM's files (names and contents): the weights are read once at start-up."""
+    root = Path(checkpoint)
+    digest = hashlib.sha256()
+    for path in crm_files(root):
+        name = path.relative_to(root) if root.is_dir() else path.name
+        digest.update(f"{name}\0{file_digest(path)}\0".encode())
+    return digest.hexdigest()
+
+
+def verdict_key(fields: dict) -> str:
+    return hashlib.sha256(json.dumps({"format": FORMAT, **fields}, sort_keys=True,
+                                     ensure_ascii=False).encode()).hexdigest()
+
+
+class LRU:
+    """A thread-safe bounded mapping that forgets the least recently used entry."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            if key not in self._items:
+                return None
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+class VerdictCache:
+    """Outcomes per verdict key: an LRU in memory over JSON files on disk (`directory` None: memory
+    only). A restart serves from disk what it has seen; a damaged file is a miss, never an error.
+    The disk keeps the `disk_entries` most recently used files."""
+
+    def __init__(self, directory: str | Path | None, memory_entries: int = 32,
+                 disk_entries: int = 1000):
+        self.directory = Path(directory) if directory else None
+        self.disk_entries = disk_entries
+        self.memory = LRU(memory_entries)
+        if self.directory:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def get(self, fields: dict) -> list[Outcome] | None:
+        key = verdict_key(fields)
+        outcomes = self.memory.get(key)
+        if outcomes is None and self.directory:
+            outcomes = self._read(key, fields)
+            if outcomes is not None:
+                self.memory.put(key, outcomes)
+        return outcomes
+
+    def put(self, fields: dict, outcomes: list[Outcome]) -> None:
+        key = verdict_key(fields)
+        self.memory.put(key, outcomes)
+        if self.directory:
+            self._write(key, fields, outcomes)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def _read(self, key: str, fields: dict) -> list[Outcome] | None:
+        path = self._path(key)
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if saved["format"] != FORMAT or saved["fields"] != fields:
+                raise ValueError("its fields differ from the key's")
+            outcomes = [Outcome(*o) for o in saved["outcomes"]]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring the cached verdicts %s: %s", path, exc)
+            return None
+        os.utime(path)  # recently used: the last to be evicted
+        return outcomes
+
+    def _write(self, key: str, fields: dict, outcomes: list[Outcome]) -> None:
+        write_json(self._path(key), {"format": FORMAT, "fields": fields, "outcomes": [
+            [o.model, o.topic, o.result, o.p_win, o.idx] for o in outcomes]})
+        files = self._by_age()
+        for old in files[:max(0, len(files) - self.disk_entries)]:
+            old.unlink(missing_ok=True)
+
+    def _by_age(self) -> list[Path]:
+        ages = {}
+        for path in self.directory.glob("*.json"):
+            try:
+                ages[path] = path.stat().st_mtime_ns
+            except FileNotFoundError:  # evicted by a concurrent write
+                pass
+        return sorted(ages, key=ages.get)

@@ -1,0 +1,312 @@
+"""The USL web page (Gradio): a default leaderboard, a customizable one, and the same as JSON.
+
+Every handler runs through Gradio's queue. Boards are served by crm.app.service.Leaderboards,
+which bounds the model's concurrency itself: Gradio's limits apply per event, and only the
+service knows whether a request needs the model or is served from the cache; a cached board must
+not queue behind a scoring. Gradio's own queue is bounded too (`queue_size`): beyond it the page
+says the server is full.
+
+User text reaches the page only escaped (html.escape), as text in text boxes and tables, or
+URL-encoded in the link: criteria holding HTML or script are shown, never run. Expected errors
+(BoardError) are shown as a message; anything else is logged with its traceback on the server and
+the page gets a one-line notice.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import html
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote, urlencode
+
+# Before gradio is imported: no usage report and no version check to outside hosts.
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+
+import gradio as gr
+import pandas as pd
+
+from crm.app.service import BoardError, Leaderboards
+from crm.evaluation.leaderboard import DEFAULT_CRITERIA
+from crm.evaluation.render import interval
+
+log = logging.getLogger("crm.app")
+
+TITLE = "User-centric Subjective Leaderboard"
+# Fonts bundled with gradio and served by this server, then the system's: the page loads with no
+# request to any other host (gradio's GoogleFont would fetch from Google).
+THEME = gr.themes.Default(
+    font=[gr.themes.LocalFont("Source Sans Pro"), "ui-sans-serif", "system-ui", "sans-serif"],
+    font_mono=[gr.themes.LocalFont("IBM Plex Mono"), "ui-monospace", "monospace"])
+CSS = """
+.usl-chart {font-size: 0.9em; max-width: 760px}
+.usl-row {display: grid; grid-template-columns: 9em 1fr 4.5em; align-items: center; gap: 0.5em;
+          margin: 2px 0}
+.usl-name {overflow: hidden; text-overflow: ellipsis; white-space: nowrap; text-align: right}
+.usl-track {position: relative; height: 1.1em; background: var(--neutral-100)}
+.usl-fill {position: absolute; left: 0; top: 0; bottom: 0; background: var(--primary-400)}
+.usl-ci {position: absolute; top: 45%; height: 2px; background: var(--neutral-800)}
+.usl-even {position: absolute; left: 50%; top: -2px; bottom: -2px; border-left: 1px dashed
+           var(--neutral-500)}
+"""
+URL_KEYS = ("criteria", "contrast", "topics", "describe", "k")
+DEFAULT_K = 20
+
+
+# -- rendering a board ----------------------------------------------------------------------------
+
+def table(doc: dict) -> pd.DataFrame:
+    """Rank, Rank (UB), Model, Overall (%), its interval, then one column per topic (win rate %)."""
+    level = f"{100 * doc['interval']['level']:.0f}% CI"
+    rows = []
+    for row in doc["rows"]:
+        overall = row["overall"]
+        rows.append({"Rank": row["rank"], "Rank (UB)": row["rank_ub"], "Model": row["model"],
+                     "Overall (%)": _pct(overall["win_rate"]), level: interval(overall),
+                     **{t: _pct(row["topics"][t]["win_rate"]) for t in doc["topics"]}})
+    return pd.DataFrame(rows)
+
+
+def _pct(rate: float | None) -> float | None:
+    return None if rate is None else round(100 * rate, 1)
+
+
+def text(value: str) -> str:
+    """`value` as literal text inside Markdown: every ASCII sign becomes an HTML entity, so
+    neither HTML nor Markdown (links, emphasis, table bars) in it can take effect."""
+    return "".join(c if c.isalnum() or c.isspace() or ord(c) > 127 else f"&#{ord(c)};"
+                   for c in value)
+
+
+def info(doc: dict) -> str:
+    """The line "Version | # Examples | # Models | Baseline" and the criteria the board ranks by."""
+    e = text
+    lines = ["| Version | # Examples | # Models | Baseline |", "|---|---|---|---|",
+             f"| {e(doc['version'])} | {doc['examples']} | {len(doc['models'])} | "
+             f"{e(doc['baseline'])} |", "", "Ranked under: "
+             + " · ".join(f"“{e(c)}”" for c in doc["criteria"])]
+    if "similar_to" in doc:
+        lines.append(f"on the {doc['examples']} queries most similar to "
+                     f"“{e(doc['similar_to'])}”")
+    return "\n".join(lines)
+
+
+def chart(doc: dict) -> str:
+    """Overall win rates as bars, each with its interval, and the 50% line (plain HTML: no
+    plotting library on the server or in the page)."""
+    bars = []
+    for row in doc["rows"]:
+        o = row["overall"]
+        rate = 100 * (o["win_rate"] or 0)
+        span = ""
+        if o["ci_low"] is not None:
+            low, high = 100 * o["ci_low"], 100 * o["ci_high"]
+            span = f'<span class="usl-ci" style="left:{low:.1f}%;width:{high - low:.1f}%"></span>'
+        bars.append(f'<div class="usl-row"><span class="usl-name">{html.escape(row["model"])}'
+                    f'</span><span class="usl-track"><span class="usl-fill" style="width:'
+                    f'{rate:.1f}%"></span>{span}<span class="usl-even"></span></span>'
+                    f'<span>{rate:.1f}%</span></div>')
+    level = 100 * doc["interval"]["level"]
+    return (f'<div class="usl-chart" role="img" aria-label="Overall win rate per model">'
+            f'<p>Overall win rate against {html.escape(doc["baseline"])}, with its {level:.0f}% '
+            f'interval (dashed: 50%)</p>{"".join(bars)}</div>')
+
+
+def write_csv(frame: pd.DataFrame, directory: Path) -> Path:
+    """leaderboard.csv in a directory named after the table's contents (one file per board)."""
+    content = frame.to_csv(index=False, quoting=csv.QUOTE_MINIMAL)
+    path = directory / hashlib.sha256(content.encode()).hexdigest()[:16] / "leaderboard.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content, encoding="utf-8")
+    return path
+
+
+def link(criteria, contrast, topics, describe: str, k: int) -> str:
+    """The query string that reproduces a board (lines joined by newlines)."""
+    params = {"criteria": "\n".join(criteria)}
+    if contrast:
+        params["contrast"] = "\n".join(contrast)
+    if describe:
+        params.update(describe=describe, k=str(k))
+    else:
+        params["topics"] = "\n".join(topics)
+    return "?" + urlencode(params, quote_via=quote)
+
+
+# -- the page -------------------------------------------------------------------------------------
+
+def build(service: Leaderboards, default: dict, queue_size: int = 64) -> gr.Blocks:
+    """The page. `default` is the default board (DEFAULT_CRITERIA over every topic)."""
+    topics = list(service.topic_counts)
+    csv_dir = Path(tempfile.mkdtemp(prefix="crm-usl-"))
+
+    def generate(criteria_text, contrast_text, chosen, describe, k,
+                 progress=gr.Progress()) -> tuple:
+        """The customizable board; a BoardError leaves the board as it was, with the message."""
+        def report(done, total):
+            progress((done, total), desc="The CRM is judging the benchmark", unit="queries")
+
+        try:
+            criteria = service.criteria(criteria_text)
+            contrast = service.criteria(contrast_text, "contrast criteria") if (
+                contrast_text or "").strip() else ()
+            choice = service.choose(chosen, describe, k)
+            doc = service.board(criteria, choice, report)
+            versus = service.contrast(criteria, contrast, choice, report) if contrast else None
+        except BoardError as exc:
+            return (f"**Cannot rank:** {text(str(exc))}", *[gr.skip()] * (len(outputs) - 1))
+        except Exception:
+            log.exception("generate failed")
+            return ("**Internal error:** the server logged it; please report it.",
+                    *[gr.skip()] * (len(outputs) - 1))
+        frame = table(doc)
+        models = list(service.models)
+        query = link(criteria, contrast, choice.topics, choice.describe, k)
+        return ("", info(doc), frame, chart(doc),
+                gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
+                f"[Link to this board]({query})",
+                *_contrast_outputs(versus),
+                gr.update(choices=models, value=None), None, (criteria, choice))
+
+    def drill(model, state) -> tuple:
+        if not model or state is None:
+            return gr.skip(), ""
+        try:
+            rows = service.examples(*state, model)
+        except BoardError as exc:
+            return gr.skip(), f"**Cannot show examples:** {text(str(exc))}"
+        except Exception:
+            log.exception("drill-down failed")
+            return gr.skip(), "**Internal error:** the server logged it; please report it."
+        frame = pd.DataFrame([{"Query": r["query"], "Response": r["response"],
+                               "Baseline": r["baseline"], "P(win)": r["p_win"],
+                               "Verdict": r["result"], "Topic": r["topic"]} for r in rows])
+        return frame, ""
+
+    def from_url(request: gr.Request, progress=gr.Progress()) -> tuple:
+        """A shared link: fill the form from the query string and generate."""
+        params = dict(request.query_params) if request else {}
+        if not any(key in params for key in URL_KEYS):
+            return tuple(gr.skip() for _ in form + outputs)
+        chosen = [t for t in params.get("topics", "").split("\n") if t] or topics
+        describe = params.get("describe", "")
+        k = int(params["k"]) if params.get("k", "").isdigit() else DEFAULT_K
+        criteria_text, contrast_text = params.get("criteria", ""), params.get("contrast", "")
+        board = generate(criteria_text, contrast_text, chosen, describe, k, progress)
+        return (criteria_text, contrast_text, [t for t in chosen if t in topics], describe,
+                max(1, min(k, len(service.records))), gr.update(selected="custom"), *board)
+
+    with gr.Blocks(title=TITLE, analytics_enabled=False) as page:
+        gr.Markdown(f"# {TITLE}\nLLMs ranked by a Customizable Reward Model for *your* "
+                    f"criteria: each model's answer to every benchmark query is judged against "
+                    f"{text(service.selection.baseline)}'s.")
+        with gr.Tabs() as tabs:
+            with gr.Tab("Default leaderboard", id="default"):
+                gr.Markdown(info(default))
+                gr.Dataframe(table(default), interactive=False, elem_id="default-table")
+                gr.HTML(chart(default))
+            with gr.Tab("Customizable leaderboard", id="custom"):
+                with gr.Row():
+                    with gr.Column():
+                        chosen = gr.CheckboxGroup(
+                            [(f"{t} ({n})", t) for t, n in service.topic_counts.items()],
+                            value=topics, label="Topics (examples)", elem_id="topics")
+                        with gr.Row():
+                            select_all = gr.Button("Select all", size="sm")
+                            clear_all = gr.Button("Clear all", size="sm")
+                        describe = gr.Textbox(
+                            label="Or describe what you use an LLM for (ranks on the most "
+                                  "similar queries instead of the ticked topics)",
+                            lines=2, max_length=service.limits.chars, elem_id="describe")
+                        k = gr.Slider(1, len(service.records), value=min(DEFAULT_K,
+                                      len(service.records)), step=1,
+                                      label="Most similar queries")
+                    with gr.Column():
+                        criteria = gr.Textbox(label="Preference criteria (one criterion per line)",
+                                              lines=5, elem_id="criteria")
+                        contrast = gr.Textbox(
+                            label="Contrast criteria (optional): a second ranking side by side, "
+                                  "with the Kendall tau between the two", lines=2,
+                            elem_id="contrast")
+                        button = gr.Button("Generate leaderboard", variant="primary",
+                                           elem_id="generate")
+                status = gr.Markdown(elem_id="status")
+                board_info = gr.Markdown(elem_id="board-info")
+                board = gr.Dataframe(interactive=False, elem_id="board")
+                board_chart = gr.HTML()
+                with gr.Row():
+                    download = gr.DownloadButton("Download CSV", visible=False, size="sm",
+                                                 elem_id="download")
+                    share = gr.Markdown(elem_id="share")
+                with gr.Group(visible=False) as versus_group:
+                    versus_info = gr.Markdown()
+                    with gr.Row():
+                        left = gr.Dataframe(interactive=False, elem_id="contrast-left")
+                        right = gr.Dataframe(interactive=False, elem_id="contrast-right")
+                with gr.Accordion("Why does a model rank where it does? Its examples", open=False):
+                    model = gr.Dropdown([], label="Model", elem_id="drill-model")
+                    drill_status = gr.Markdown()
+                    examples = gr.Dataframe(interactive=False, wrap=True, max_height=600,
+                                            elem_id="drill")
+                state = gr.State()
+
+        form = [criteria, contrast, chosen, describe, k, tabs]
+        outputs = [status, board_info, board, board_chart, download, share, versus_group,
+                   versus_info, left, right, model, examples, state]
+        select_all.click(lambda: topics, outputs=chosen, queue=False, api_visibility="private")
+        clear_all.click(lambda: [], outputs=chosen, queue=False, api_visibility="private")
+        boards = dict(concurrency_limit=None, concurrency_id="boards")
+        button.click(generate, [criteria, contrast, chosen, describe, k], outputs,
+                     api_visibility="private", show_progress_on=[board], **boards)
+        model.change(drill, [model, state], [examples, drill_status], api_visibility="private",
+                     **boards)
+        page.load(from_url, None, form + outputs, api_visibility="private", **boards)
+        gr.api(_rank_endpoint(service), api_name="rank", **boards)
+    page.queue(max_size=queue_size, default_concurrency_limit=None)
+    return page
+
+
+def _contrast_outputs(versus: dict | None) -> tuple:
+    if versus is None:
+        return gr.update(visible=False), "", None, None
+    first, second = versus["boards"]
+    tau = versus["kendall_tau"]
+    text = (f"Kendall tau between the two rankings: **{tau['tau']:+.3f}** "
+            f"(p = {tau['p_value']:.2g}, {tau['models']} models; -1: one reverses the other)")
+    sides = [pd.DataFrame([{"Rank": r["rank"], "Model": r["model"],
+                            "Overall (%)": _pct(r["overall"]["win_rate"])} for r in b["rows"]])
+             for b in (first, second)]
+    return gr.update(visible=True), text, *sides
+
+
+def _rank_endpoint(service: Leaderboards) -> Callable:
+    def rank(criteria: str, topics: list[str]) -> dict:
+        """The leaderboard as JSON. criteria: one criterion per line; topics: the topics to rank
+        on, empty for all. Returns the rows of leaderboard.json with their 95% intervals."""
+        if isinstance(topics, str):  # one topic, not a list of its letters
+            topics = [topics]
+        try:
+            return service.board(service.criteria(criteria), service.choose(topics or None))
+        except BoardError as exc:
+            raise gr.Error(str(exc), print_exception=False) from None
+        except Exception:
+            log.exception("rank failed")
+            raise gr.Error("Internal error: the server logged it.", print_exception=False) from None
+
+    return rank
+
+
+def default_board(service: Leaderboards, criteria=DEFAULT_CRITERIA) -> dict:
+    return service.board(tuple(criteria), service.choose(None))
+
+
+def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None = None,
+           block: bool = True):
+    """Serve until stopped (Ctrl-C closes the server); `block=False` returns at once."""
+    return page.launch(server_name=host, server_port=port, auth=auth, share=False,
+                       show_error=False, footer_links=["api"], run_history=False,
+                       enable_monitoring=False, ssr_mode=False, mcp_server=False, theme=THEME,
+                       css=CSS, prevent_thread_lock=not block)

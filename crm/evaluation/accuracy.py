@@ -1,0 +1,95 @@
+"""Accuracy of a CRM on test files (docs/DESIGN.md section 8): strict, in both orders, with flip and
+tie rates."""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from crm.core.records import TestRecord, load_records
+from crm.data.transforms import LABEL_A, LABEL_B, LABEL_TIE, eval_example
+from crm.inference.scorer import unswap
+
+VERDICT_NAMES = {LABEL_A: "model_a", LABEL_B: "model_b", LABEL_TIE: "tie", None: "score_tie"}
+
+
+def verdict(probs: Sequence[float]) -> int | None:
+    """The label with the highest probability; None when the top two are equal (a score tie)."""
+    if any(p != p for p in probs):  # NaN: the pair could not be scored
+        return None
+    ranked = sorted(range(len(probs)), key=lambda i: -probs[i])
+    return None if probs[ranked[0]] == probs[ranked[1]] else ranked[0]
+
+
+def _rate(xs: list[bool]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tensor,
+                     topics: list[str | None]) -> dict:
+    """`given` and `swapped` are (n, 3) P(A), P(B), P(tie) in the A/B order of the file.
+
+    Strict: a score tie is wrong. `accuracy_mean` is the mean of the two orders' accuracies;
+    `accuracy_both_orders` judges the averaged probabilities (the scorer's `both_orders`). The
+    flip rate is the share of records whose verdict changes when A and B are swapped (a
+    position-biased judge flips); the tie rate the share of verdicts, in both orders, that are a
+    score tie or the tie class.
+    """
+    n = len(labels)
+    v_given = [verdict(p.tolist()) for p in given]
+    v_swapped = [verdict(p.tolist()) for p in swapped]
+    ok_given = [v == y for v, y in zip(v_given, labels)]
+    ok_swapped = [v == y for v, y in zip(v_swapped, labels)]
+    ok_both = [verdict(p.tolist()) == y for p, y in zip((given + swapped) / 2, labels)]
+    metrics = {
+        "n": n,
+        "accuracy": _rate(ok_given),
+        "accuracy_swapped": _rate(ok_swapped),
+        "accuracy_mean": _rate(ok_given + ok_swapped),
+        "accuracy_both_orders": _rate(ok_both),
+        "flip_rate": _rate([a != b for a, b in zip(v_given, v_swapped)]),
+        "tie_rate": _rate([v in (None, LABEL_TIE) for v in v_given + v_swapped]),
+        "gold_ties": sum(y == LABEL_TIE for y in labels),
+        "unscorable": int(torch.isnan(given[:, 0]).sum()),  # too long to fit; counted as wrong
+    }
+    by_topic = defaultdict(list)
+    for topic, a, b in zip(topics, ok_given, ok_swapped):
+        if topic is not None:
+            by_topic[topic].append((a, b))
+    if by_topic:
+        metrics["by_topic"] = {
+            t: {"n": len(v), "accuracy": _rate([a for a, _ in v]),
+                "accuracy_swapped": _rate([b for _, b in v]),
+                "accuracy_mean": _rate([x for pair in v for x in pair])}
+            for t, v in sorted(by_topic.items())}
+    return metrics
+
+
+def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[dict]]:
+    """(metrics, one prediction dict per record) for a CRMScorer on test records."""
+    labels = [eval_example(r).label for r in records]
+    given = scorer.pair_probabilities([eval_example(r) for r in records], unfit="nan")
+    if scorer.kind == "pointwise":
+        # sigmoid(r_a - r_b) of rewards that do not depend on the order: the swap is exact.
+        swapped = given.clone()
+    else:
+        swapped = unswap(scorer.pair_probabilities([eval_example(r, swapped=True) for r in records],
+                                                   unfit="nan"))
+    metrics = accuracy_metrics(labels, given, swapped, [r.topic for r in records])
+    predictions = [
+        {"idx": r.idx, "topic": r.topic, "preference": r.preference,
+         "p_given": [round(x, 6) for x in g.tolist()], "p_swapped": [round(x, 6) for x in s.tolist()],
+         "verdict": VERDICT_NAMES[verdict(g.tolist())],
+         "verdict_swapped": VERDICT_NAMES[verdict(s.tolist())]}
+        for r, g, s in zip(records, given, swapped)
+    ]
+    return metrics, predictions
+
+
+def evaluate_files(scorer, paths) -> tuple[dict, dict]:
+    """({path: metrics}, {path: predictions}) for test-format files."""
+    metrics, predictions = {}, {}
+    for path in paths:
+        metrics[str(path)], predictions[str(path)] = evaluate_records(scorer, load_records(path, "test"))
+    return metrics, predictions

@@ -1,0 +1,154 @@
+"""leaderboard.md and leaderboard.png from a leaderboard.json document (crm.evaluation.leaderboard)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def interval(cell: dict) -> str:
+    """A cell's interval as Arena-Hard writes it, "(-x / +y)" in points of %; "" without one."""
+    if cell.get("ci_low") is None:
+        return ""
+    rate = cell["win_rate"]
+    return f"(-{100 * (rate - cell['ci_low']):.1f} / +{100 * (cell['ci_high'] - rate):.1f})"
+
+
+def rate_with_interval(cell: dict) -> str:
+    return f"{_pct(cell['win_rate'])} {interval(cell)}".rstrip()
+
+
+def markdown(result: dict) -> str:
+    """Tables like the reference leaderboard: model, Overall, one column per topic (win rate %),
+    each with its interval, and LMArena's rank upper bound beside the rank."""
+    topics = result["topics"]
+    counts = result["examples"]
+    level = result.get("interval", {}).get("level", 0.95)
+    lines = [f"Baseline: `{result['baseline']}` · {counts['used']} examples used "
+             f"({counts['rejected']} rejected, {counts['outside_topics']} outside the selected "
+             f"topics, {counts['read']} read) · win rate (%) against the baseline with its "
+             f"{100 * level:.0f}% bootstrap interval (-x / +y); Overall is micro-averaged over "
+             f"the examples; Rank (UB): 1 + the models whose interval lies wholly above"
+             + (" · both orders averaged" if result["both_orders"] else "")]
+    for board in result["boards"]:
+        with_ties = any(r["overall"]["ties"] for r in board["rows"])
+        lines += ["", f"### {board['label']}: " + " / ".join(f'"{c}"' for c in board["criteria"]),
+                  ""]
+        head = (["Rank", "Rank (UB)", "Model", "Overall", f"{100 * level:.0f}% CI"]
+                + (["Ties"] if with_ties else []) + topics)
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join(["---:", "---:", ":---"] + ["---:"] * (len(head) - 3)) + "|")
+        for row in board["rows"]:
+            overall = row["overall"]
+            cells = [str(row["rank"]), str(row["rank_ub"]), row["model"],
+                     f"**{_pct(overall['win_rate'])}**", interval(overall) or "-"]
+            if with_ties:
+                cells.append(_pct(overall["tie_rate"]))
+            cells += [rate_with_interval(row["topics"][t]) for t in topics]
+            lines.append("| " + " | ".join(cells) + " |")
+    if "kendall_tau" in result:
+        k = result["kendall_tau"]
+        lines += ["", f"Kendall tau between the two rankings: **{k['tau']:+.3f}** "
+                      f"(p = {k['p_value']:.2g}, {k['models']} models)"]
+    if result["rejects"]:
+        lines += ["", f"Rejected benchmark lines ({len(result['rejects'])}):"]
+        lines += [f"- {r['file']}:{r['line']}: {r['field']}: {r['reason']}"
+                  for r in result["rejects"][:20]]
+        if len(result["rejects"]) > 20:
+            lines.append(f"- ... and {len(result['rejects']) - 20} more (leaderboard.json)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    """leaderboard.png: per board, overall win rates as sorted bars with their intervals and a
+    model x topic heatmap; with a contrast set, a slope chart of the two rankings with their
+    Kendall tau."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.gridspec import GridSpec
+
+    boards, topics = result["boards"], result["topics"]
+    n_models = len(result["models"])
+    height = max(2.6, 0.42 * n_models + 1.4)
+    slope = len(boards) == 2
+    widths = [3.2, max(2.4, 0.62 * len(topics))] + ([3.0] if slope else [])  # inches
+    fig = plt.figure(figsize=(sum(widths) + 1.5, height * len(boards)), dpi=110)
+    grid = GridSpec(len(boards), len(widths), figure=fig, width_ratios=widths,
+                    wspace=0.12 + 0.08 * slope, hspace=0.55)
+    cmap = plt.get_cmap("RdYlGn")
+    for b, board in enumerate(boards):
+        rows = board["rows"]
+        names = [r["model"] for r in rows]
+        overall = [100 * r["overall"]["win_rate"] for r in rows]
+        ax = fig.add_subplot(grid[b, 0])
+        y = range(len(rows))
+        errors = None
+        if all(r["overall"]["ci_low"] is not None for r in rows):
+            errors = [[100 * (r["overall"]["win_rate"] - r["overall"]["ci_low"]) for r in rows],
+                      [100 * (r["overall"]["ci_high"] - r["overall"]["win_rate"]) for r in rows]]
+        ax.barh(y, overall, color=[cmap(v / 100) for v in overall], edgecolor="#555", lw=0.5,
+                xerr=errors, error_kw={"ecolor": "#333", "elinewidth": 0.9, "capsize": 2.5})
+        for i, (v, row) in enumerate(zip(overall, rows)):
+            # inside at the bar's base, clear of the interval; a short bar's label after it
+            inside = v > 22
+            high = row["overall"]["ci_high"]
+            end = v if high is None else 100 * high
+            ax.text(2 if inside else end + 2, i, f"{v:.0f}%", va="center", ha="left",
+                    fontsize=8.5, fontweight="bold")
+        ax.axvline(50, color="#444", ls="--", lw=0.8, zorder=0)
+        ax.set_xlim(0, 100)
+        ax.set_yticks(list(y), names, fontsize=9)
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # best on top, rows level with the heatmap's
+        ax.set_xlabel(f"Overall win rate vs {result['baseline']} (%)", fontsize=8.5)
+        ax.spines[["top", "right"]].set_visible(False)
+        criteria = " / ".join(f"\u201c{c}\u201d" for c in board["criteria"])
+        ax.set_title(f"{board['label']}: {_shorten(criteria, 80)}", loc="left", fontsize=10,
+                     fontweight="bold")
+
+        heat = fig.add_subplot(grid[b, 1])
+        values = [[100 * (r["topics"][t]["win_rate"] or 0) for t in topics] for r in rows]
+        heat.imshow(values, cmap=cmap, vmin=0, vmax=100, aspect="auto")
+        for i, line in enumerate(values):
+            for j, v in enumerate(line):
+                heat.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8,
+                          color="white" if v < 18 or v > 85 else "black")
+        heat.set_xticks(range(len(topics)), topics, rotation=30, ha="right", fontsize=8.5)
+        heat.set_yticks([])
+        heat.set_title("win rate per topic (%)", fontsize=8.5, loc="right", color="#555")
+        for s in heat.spines.values():
+            s.set_visible(False)
+
+    if slope:
+        ax = fig.add_subplot(grid[:, 2])
+        rank_a = {r["model"]: r["rank"] for r in boards[0]["rows"]}
+        rank_b = {r["model"]: r["rank"] for r in boards[1]["rows"]}
+        colors = plt.get_cmap("tab10")
+        for i, model in enumerate(rank_a):
+            color = colors(i % 10)
+            ax.plot([0, 1], [rank_a[model], rank_b[model]], "-o", color=color, lw=1.8, ms=5)
+            ax.text(-0.06, rank_a[model], model, ha="right", va="center", fontsize=8, color=color)
+            ax.text(1.06, rank_b[model], model, ha="left", va="center", fontsize=8, color=color)
+        ax.set_xlim(-0.9, 1.9)
+        ax.set_ylim(n_models + 0.6, 0.4)
+        ax.set_xticks([0, 1], [boards[0]["label"], boards[1]["label"]], fontsize=9)
+        ax.set_yticks([])
+        ax.spines[["top", "right", "left"]].set_visible(False)
+        tau = result["kendall_tau"]["tau"]
+        ax.set_title(f"rank under each criteria set\nKendall tau = {tau:+.2f}", fontsize=10,
+                     fontweight="bold")
+    counts = result["examples"]
+    fig.suptitle(f"User-centric leaderboard: win rate against {result['baseline']} "
+                 f"({counts['used']} examples, {len(topics)} topics)", x=0.01, ha="left",
+                 fontsize=12, fontweight="bold")
+    path = Path(path)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _shorten(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"

@@ -1,0 +1,143 @@
+"""The checkpoints crm-train writes, and the one way to read them back as a HF classifier.
+
+Lightning writes two kinds: one file (one process, DDP), or under trainer=fsdp a directory of
+shards (`.metadata`, a `.distcp` per rank, `meta.pt`). Both are read here with weights_only=True.
+
+A checkpoint describes itself: next to the weights it carries a card (`crm_card`: kind, length
+limit, prompt template, and the files of the HF config and the tokenizer), so export and scoring
+need nothing else: a run dir can move, a checkpoint can be copied alone.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from crm.core.errors import ConfigError
+from crm.core.prompts import PromptTemplate
+from crm.training.parallel import SHARDED_META, is_complete_checkpoint
+
+log = logging.getLogger(__name__)
+PREFIX = "crm.model."  # where the LightningModule keeps the HF model's weights
+CARD = "crm_card"
+CARD_VERSION = 1
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A Lightning checkpoint as one dict: a single file, or a sharded (FSDP) dir consolidated.
+
+    Tensors and plain data only (weights_only=True); a sharded dir's weights are read with torch's
+    distributed checkpoint reader, without a process group, and the rest from Lightning's meta.pt.
+    """
+    path = Path(path)
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    if not is_complete_checkpoint(path):
+        raise FileNotFoundError(f"{path}: no checkpoint file, and no complete sharded checkpoint "
+                                f"dir (.metadata and {SHARDED_META})")
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # What torch's dcp_to_torch_save does, for the weights only and in memory: no_dist lets one
+    # process read every rank's shards.
+    weights: dict = {}
+    _load_state_dict(weights, storage_reader=FileSystemReader(str(path)),
+                     planner=_EmptyStateDictLoadPlanner(keys={"state_dict"}), no_dist=True)
+    checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = weights["state_dict"]
+    return checkpoint
+
+
+def model_weights(checkpoint: dict) -> dict:
+    """The HF model's weights (names as `save_pretrained` writes them) of a loaded checkpoint."""
+    state = {k[len(PREFIX):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(PREFIX)}
+    if not state:
+        raise ValueError(f"no '{PREFIX}*' weights in the checkpoint (not written by crm-train)")
+    return state
+
+
+def describe(model, tokenizer, *, kind: str, template: PromptTemplate, max_tokens: int) -> dict:
+    """The card of a CRM: what export and scoring need besides the weights (plain data)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    return {"version": CARD_VERSION, "kind": kind, "max_tokens": max_tokens,
+            "template": asdict(template), "files": files}
+
+
+class LoadedCRM(NamedTuple):
+    model: torch.nn.Module  # a HF sequence classifier, eval mode, on CPU
+    tokenizer: object
+    template: PromptTemplate
+    kind: str
+    max_tokens: int
+
+
+def build_from_card(card: dict, weights: dict, dtype: torch.dtype | None = None) -> LoadedCRM:
+    """The HF classifier of `card` holding `weights` (in their own dtype unless `dtype` is given)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    if card.get("version") != CARD_VERSION:
+        raise ValueError(f"checkpoint card version {card.get('version')!r}; this crm reads "
+                         f"{CARD_VERSION}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in card["files"].items():
+            (Path(tmp) / name).write_bytes(data)
+        config = AutoConfig.from_pretrained(tmp, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+    dtype = dtype or next(t.dtype for t in weights.values() if t.is_floating_point())
+    model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    model.load_state_dict(weights)
+    return LoadedCRM(model.eval(), tokenizer, PromptTemplate(**card["template"]), card["kind"],
+                     card["max_tokens"])
+
+
+def load_crm(path: str | Path, dtype: torch.dtype | None = None) -> tuple[LoadedCRM, dict]:
+    """(the CRM, the checkpoint's other contents) from any checkpoint crm-train writes."""
+    checkpoint = load_checkpoint(path)
+    if CARD not in checkpoint:
+        raise ValueError(f"{path}: no {CARD} in the checkpoint (not written by crm-train, or by "
+                         "a crm older than self-describing checkpoints)")
+    crm = build_from_card(checkpoint.pop(CARD), model_weights(checkpoint), dtype)
+    del checkpoint["state_dict"]
+    return crm, checkpoint
+
+
+def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
+    """Any checkpoint crm-train writes -> a HF directory with crm.json (crm.models.export)."""
+    from crm.models.export import export_crm
+
+    crm, checkpoint = load_crm(path)
+    return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
+                      max_tokens=crm.max_tokens,
+                      extra={"source": str(path), "global_step": checkpoint["global_step"],
+                             "config": checkpoint.get("crm_config")})
+
+
+def resolve_resume(resume, run_dir: Path) -> str | None:
+    """auto: this run dir's last checkpoint if a complete one exists; a path: that; false: none.
+
+    A sharded checkpoint is swapped into place only when complete (crm.training.parallel.FSDPStrategy); a
+    job killed between the swap's two renames leaves the complete `.partial` or `.old` copy.
+    """
+    if resume in (None, False, "false", "False"):
+        return None
+    if resume == "auto":
+        last = Path(run_dir) / "checkpoints" / "last.ckpt"
+        for candidate in (last, last.with_name("last.ckpt.partial"), last.with_name("last.ckpt.old")):
+            if is_complete_checkpoint(candidate):
+                log.info("resuming from %s", candidate)
+                return str(candidate)
+            if candidate.exists():
+                log.warning("ignoring the incomplete checkpoint %s", candidate)
+        return None
+    if not is_complete_checkpoint(resume):
+        raise ConfigError(f"resume={resume}: no such checkpoint, or an incomplete one")
+    return str(resume)
+

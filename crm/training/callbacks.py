@@ -1,0 +1,97 @@
+"""Callbacks of a crm-train run: the card in every checkpoint, the export of the best model at the
+end, and the per-rank memory report."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from crm.models.checkpoint import CARD, build_from_card, describe, export_checkpoint
+from crm.models.export import export_crm
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointCard(L.Callback):
+    """Puts the CRM's card (crm.models.checkpoint.describe: tokenizer files, HF config, template, kind)
+    into every checkpoint, so that a checkpoint alone exports and scores."""
+
+    def __init__(self, tokenizer, *, kind: str, template, max_tokens: int):
+        self.tokenizer, self.kind, self.template, self.max_tokens = tokenizer, kind, template, max_tokens
+        self._card: dict | None = None
+
+    def card(self, pl_module) -> dict:
+        if self._card is None:
+            self._card = describe(pl_module.crm.model, self.tokenizer, kind=self.kind,
+                                  template=self.template, max_tokens=self.max_tokens)
+        return self._card
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[CARD] = self.card(pl_module)
+
+
+class ExportBest(L.Callback):
+    """At the end of fit, writes the best checkpoint's model (or the final one) to `out_dir`."""
+
+    def __init__(self, out_dir: str | Path, card: CheckpointCard, preemption=None):
+        self.out_dir, self.card, self.preemption = Path(out_dir), card, preemption
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
+        if self.preemption is not None and self.preemption.preempted:
+            return  # the requeued job finishes the run and exports then
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        if best:
+            trainer.strategy.barrier()  # every rank's shards of the best checkpoint are on disk
+        else:  # no validation ran: the final weights, gathered by every rank from any sharding
+            final = full_model_state(pl_module)
+        if not trainer.is_global_zero:
+            return
+        log.info("exporting %s to %s", best or "the final weights (no validation checkpoint)",
+                 self.out_dir)
+        if best:
+            export_checkpoint(best, self.out_dir)
+            return
+        crm = build_from_card(self.card.card(pl_module), final)
+        export_crm(crm.model, crm.tokenizer, self.out_dir, kind=crm.kind, template=crm.template,
+                   max_tokens=crm.max_tokens,
+                   extra={"source": "final weights (no validation checkpoint)",
+                          "global_step": trainer.global_step, "config": pl_module.run_config})
+
+
+def full_model_state(pl_module) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(pl_module.crm.model,
+                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for `tensors` (a DTensor counts its local shard only)."""
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total
+
+
+class ShardingReport(L.Callback):
+    """Per-rank bytes of parameters and optimizer states after training, gathered on every rank.
+
+    The measured side of memory planning: under FSDP each rank should hold about 1/world of both.
+    """
+
+    def __init__(self):
+        self.per_rank: list[dict] = []
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        params = local_bytes(pl_module.parameters())
+        optim = sum(local_bytes(state.values()) for opt in trainer.optimizers
+                    for state in opt.state.values())
+        gathered = trainer.strategy.all_gather(torch.tensor([params, optim], dtype=torch.float64,
+                                                            device=pl_module.device))
+        rows = gathered.reshape(-1, 2).tolist()
+        self.per_rank = [{"rank": i, "param_bytes": int(p), "optimizer_bytes": int(o)}
+                         for i, (p, o) in enumerate(rows)]

@@ -1,0 +1,57 @@
+"""The run's logger: csv (the default), wandb or none."""
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from crm.core.errors import ConfigError
+from crm.training.preemption import slurm_job_id
+
+
+def make_logger(logger: dict, run_dir: Path, run_name: str, sweep: dict | None = None):
+    """`logger` is the logger group (name: csv | wandb | none, and wandb's project, entity, group,
+    tags); `sweep` a multirun job's {group, axes, job}, so that wandb groups and tags its runs."""
+    if logger["name"] == "none":
+        return False
+    if logger["name"] == "csv":
+        return ResumableCSVLogger(save_dir=str(run_dir), name="csv", version="")
+    if logger["name"] == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")  # no key, no network unless asked
+        run_id = slurm_job_id()  # a requeued job continues its own wandb run
+        group, tags = logger["group"], list(logger["tags"])
+        if sweep:
+            group = group or sweep["group"]
+            tags += [f"{k}={v}" for k, v in sweep["axes"].items()]
+            run_name = f"{run_name}-{sweep['job']}"
+        return L.pytorch.loggers.WandbLogger(
+            project=logger["project"], entity=logger["entity"], group=group, tags=tags,
+            name=run_name, save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
+    raise ConfigError(f"logger {logger['name']!r}: expected csv, wandb or none")
+
+
+class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):
+    """Appends to the run's csv/metrics.csv. Lightning's CSVLogger deletes the file it finds, so a
+    resumed run (resume=auto, a requeued job) would lose the earlier steps' metrics.
+
+    Steps run again after a crash appear twice; the later row is the resumed run's.
+    """
+
+    @property
+    def experiment(self):
+        path = Path(self.log_dir) / "metrics.csv"
+        if self._experiment is not None or rank_zero_only.rank != 0 or not path.is_file():
+            return super().experiment
+        aside = path.with_name(path.name + ".resumed")
+        path.replace(aside)  # out of the writer's way while it starts
+        with warnings.catch_warnings():  # "Previous log files ... will be deleted": not here
+            warnings.filterwarnings("ignore", message="Experiment logs directory")
+            writer = super().experiment
+        with aside.open(newline="") as f:
+            writer.metrics_keys = next(csv.reader(f), [])  # rows are appended under this header
+        aside.replace(path)
+        return writer

@@ -1,0 +1,67 @@
+"""The Lightning Trainer of a run: world size, gradient accumulation, strategy.
+
+The trainer group holds Trainer arguments as they are, except `strategy: fsdp`, which is crm's
+FSDP2 (crm.training.parallel).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+from crm.core.errors import ConfigError
+from crm.training.parallel import fsdp_strategy
+
+
+def world_size(trainer: dict) -> int:
+    """Processes of the run: devices per node x nodes (`devices: auto` counts the visible GPUs)."""
+    devices = trainer["devices"]
+    if devices in ("auto", -1, "-1"):
+        accelerator = trainer["accelerator"]
+        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        devices = torch.cuda.device_count() if gpu else 1
+        if not devices:
+            raise ConfigError(f"trainer.devices={trainer['devices']} with trainer.accelerator="
+                             f"{accelerator}, but no CUDA device is visible")
+    elif isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    return int(devices) * int(trainer.get("num_nodes", 1))
+
+
+def batch_plan(global_batch: int, micro_batch: int | str, world: int,
+               max_micro_batch: int) -> tuple[int, int]:
+    """(micro batch, accumulation) for `global_batch` records per optimizer step over `world` ranks.
+
+    `micro_batch="auto"`: the largest micro batch that divides a rank's share of the global batch,
+    at most `max_micro_batch` (the memory bound), so the same config runs on any world size.
+    """
+    if micro_batch == "auto":
+        if global_batch % world:
+            raise ConfigError(f"global_batch_size={global_batch} cannot be split over {world} ranks; "
+                              "make it a multiple of the number of ranks")
+        per_rank = global_batch // world
+        micro_batch = max(m for m in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % m == 0)
+    per_step = int(micro_batch) * world
+    if global_batch % per_step:
+        raise ConfigError(f"global_batch_size={global_batch} is not a multiple of micro_batch_size="
+                          f"{micro_batch} x {world} ranks; accumulation must be a whole number "
+                          "(micro_batch_size=auto finds one)")
+    return int(micro_batch), global_batch // per_step
+
+
+def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, callbacks: list,
+                 logger, run_dir: Path) -> L.Trainer:
+    """A Trainer from the trainer group; validation every `val_every_n_steps` optimizer steps.
+
+    On SLURM, Lightning's own auto-requeue is switched off: crm.training.preemption owns the signal.
+    """
+    kwargs = dict(trainer)
+    if kwargs.get("strategy") == "fsdp":
+        kwargs["strategy"] = fsdp_strategy(world_size(trainer))
+    if SLURMEnvironment.detect():
+        kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+    return L.Trainer(**kwargs, accumulate_grad_batches=accumulation, callbacks=callbacks,
+                     logger=logger, val_check_interval=val_every_n_steps * accumulation,
+                     check_val_every_n_epoch=None, default_root_dir=str(run_dir))

@@ -1,0 +1,285 @@
+"""crm-usl served for real: one `crm-usl` process for the module (a tiny untrained CRM on a
+12-query demo benchmark, 127.0.0.1, a free port), driven through its API with gradio_client and
+through its page with Debian's chromium under Playwright (`executable_path`: no browser download).
+
+CRM_USL_SCREENSHOTS=DIR keeps the screenshots of the two tabs there; CRM_USL_CHECKPOINT and
+CRM_USL_BENCH serve another CRM and benchmark of the demo's models. The README's screenshots:
+
+    CRM_USL_SCREENSHOTS=docs CRM_USL_CHECKPOINT=outputs/demo/export \
+    CRM_USL_BENCH=.cache/demo/raw/bench.jsonl pytest tests/app/test_usl_app.py -k default_then
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from helpers import free_port
+from scorers import export_tiny, run_cli
+
+from crm.data.demo import BENCH_BASELINE, BENCH_MODELS, TRAIN_WORDINGS, write_demo
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+MODELS = sorted(BENCH_MODELS)
+# Two criteria as the demo's users write them (a CRM trained on the demo follows them)
+CRITERIA = [TRAIN_WORDINGS["concise"][0], TRAIN_WORDINGS["prose"][1]]
+
+
+def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Poll the API info route, as Gradio's own tests wait for a server (not its log line)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"crm-usl exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/gradio_api/info", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"crm-usl did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    root = tmp_path_factory.mktemp("usl")
+    export = Path(os.environ.get("CRM_USL_CHECKPOINT") or export_tiny(root / "export"))
+    bench = Path(os.environ.get("CRM_USL_BENCH") or root / "demo" / "bench.jsonl")
+    if not bench.exists():
+        write_demo(root / "demo", n_train=0, n_test=2, n_bench=12)
+    url = f"http://127.0.0.1:{free_port()}"
+    log = root / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "crm-usl"), f"checkpoint={export}",
+             f"bench={bench}", f"baseline={BENCH_BASELINE}", f"port={urlsplit(url).port}",
+             f"cache.dir={root / 'cache'}", f"hydra.run.dir={root / 'run'}"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_server(url, proc, log)
+    counts = Counter(json.loads(line)["topic"] for line in bench.read_text().splitlines())
+    yield {"url": url, "root": root, "export": export, "bench": bench, "log": log,
+           "topics": [t for t, _ in counts.most_common(2)], "all_topics": list(counts)}
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    proc.wait(timeout=60)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+# -- the API --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(app):
+    from gradio_client import Client
+
+    return Client(app["url"], verbose=False)
+
+
+def test_the_api_equals_crm_leaderboard(app, client, tmp_path):
+    from crm.cli.leaderboard import run
+
+    doc = client.predict("\n".join(CRITERIA), app["topics"], api_name="/rank")
+    assert set(doc) >= {"criteria", "topics", "examples", "models", "baseline", "version", "rows"}
+    assert doc["criteria"] == CRITERIA and doc["baseline"] == BENCH_BASELINE
+    assert sorted(doc["models"]) == MODELS and sorted(doc["topics"]) == sorted(app["topics"])
+    assert f"{app['export'].parent.name}/{app['export'].name}" in doc["version"]
+
+    reference = run_cli("leaderboard", run, [
+        f"checkpoint={app['export']}", f"bench={app['bench']}", f"baseline={BENCH_BASELINE}",
+        f"criteria={json.dumps(CRITERIA)}", f"topics={json.dumps(app['topics'])}",
+        "progress=false"], tmp_path / "leaderboard")
+    rows = reference["boards"][0]["rows"]
+    assert doc["examples"] == reference["examples"]["used"]
+
+    def rates(row):
+        cells = {"overall": row["overall"], **row["topics"]}
+        return {k: (c["win_rate"], c["ci_low"], c["ci_high"], c["n"]) for k, c in cells.items()}
+
+    assert {r["model"]: rates(r) for r in doc["rows"]} == {r["model"]: rates(r) for r in rows}
+    assert [r["rank_ub"] for r in doc["rows"]] == [r["rank_ub"] for r in rows]
+
+
+def test_the_api_ranks_on_every_topic_when_given_none(app, client):
+    doc = client.predict("I prefer short answers.", [], api_name="/rank")
+    assert doc["topics"] == app["all_topics"]
+    assert doc["examples"] == len(app["bench"].read_text().splitlines())
+    assert all(set(r["topics"]) == set(app["all_topics"]) for r in doc["rows"])
+
+
+@pytest.mark.parametrize("criteria, topics, message", [
+    ("", [], "No criteria"), (" \n\t", [], "No criteria"),
+    ("x\n" * 21, [], "21 lines of criteria: at most 20"),
+    ("x" * 2001, [], "2001 characters long: at most 2000"),
+    ("be brief", ["no such topic"], "Unknown topics: 'no such topic'"),
+    ("alpha beta gamma delta " * 80, [], "too long for this CRM")])
+def test_the_api_refuses_bad_input_with_a_message(app, client, criteria, topics, message):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match=message) as error:
+        client.predict(criteria, topics, api_name="/rank")
+    assert "Traceback" not in str(error.value)
+
+
+# -- the page -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser(app):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does it)")
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=60_000)  # a board is scored on a shared 2-core machine
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(app, browser, tmp_path):
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    outside = []  # requests to any host but the app's: none may be made
+    page.on("request", lambda r: outside.append(r.url)
+            if urlsplit(r.url).hostname not in (None, "127.0.0.1") else None)
+    page.on("dialog", lambda d: outside.append(f"dialog: {d.message}"))
+    yield page
+    context.close()
+    assert outside == []
+
+
+def screenshot(page, name: str, tmp_path: Path) -> None:
+    path = tmp_path / name
+    page.screenshot(path=path, full_page=True)
+    keep = os.environ.get("CRM_USL_SCREENSHOTS")
+    if keep:  # a 256-colour palette: a third of the size, for the repository
+        from PIL import Image
+
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        Image.open(path).convert("RGB").quantize(256).save(Path(keep) / name, optimize=True)
+
+
+# Gradio's Dataframe is a virtual grid: read it through its ARIA roles.
+def column_names(page, selector: str) -> list[str]:
+    return page.locator(f"{selector} [role=columnheader]").evaluate_all(
+        "cells => cells.map(c => c.title)")
+
+
+def body_rows(page, selector: str) -> list[list[str]]:
+    rows = page.locator(f"{selector} [role=row][data-index]")
+    return [[c.strip() for c in rows.nth(i).locator("[role=gridcell]").all_inner_texts()]
+            for i in range(rows.count())]
+
+
+def row_count(page, selector: str) -> int:
+    """Rows of data (a virtual grid renders only those in view)."""
+    return int(page.locator(f"{selector} [role=grid]").get_attribute("aria-rowcount")) - 1
+
+
+def generate(page, expect) -> None:
+    page.locator("#generate").click()
+    expect(page.locator("#board-info")).to_contain_text("# Examples")
+
+
+def test_the_page_default_then_customized_board(app, page, tmp_path):
+    from playwright.sync_api import expect
+
+    page.goto(app["url"])
+    expect(page.locator("#default-table")).to_contain_text("Rank (UB)")
+    default_models = {row[2] for row in body_rows(page, "#default-table")}
+    assert default_models == set(MODELS)
+    screenshot(page, "usl_default.png", tmp_path)
+
+    page.get_by_role("tab", name="Customizable leaderboard").click()
+    page.get_by_role("button", name="Clear all").click()
+    boxes = page.locator("#topics input[type=checkbox]")
+    expect(boxes.first).not_to_be_checked()
+    assert all(not boxes.nth(i).is_checked() for i in range(boxes.count()))
+    for topic in app["topics"]:
+        page.locator("#topics label").filter(has_text=f"{topic} (").click()
+    page.locator("#criteria textarea").fill("\n".join(CRITERIA))
+    generate(page, expect)
+    topics_shown = [t for t in app["all_topics"] if t in app["topics"]]  # the benchmark's order
+    columns = ["Rank", "Rank (UB)", "Model", "Overall (%)", "95% CI", *topics_shown]
+    assert column_names(page, "#board") == columns
+    rows = body_rows(page, "#board")
+    assert [r[0] for r in rows] == [str(i) for i in range(1, 9)]
+    assert {r[2] for r in rows} == set(MODELS)
+    screenshot(page, "usl_custom.png", tmp_path)
+
+    with page.expect_download() as download:
+        page.locator("#download").click()
+    with open(download.value.path(), newline="", encoding="utf-8") as f:
+        table = list(csv.reader(f))
+    assert table[0] == columns and len(table) == 9
+    assert [r[2] for r in table[1:]] == [r[2] for r in rows]
+
+    # the drill-down: a model's examples, its response beside the baseline's
+    page.get_by_text("Why does a model rank where it does?").click()
+    page.locator("#drill-model input").click()
+    page.get_by_role("option", name=rows[0][2]).click()
+    expect(page.locator("#drill")).to_contain_text("P(win)")
+    assert row_count(page, "#drill") == sum(
+        1 for line in app["bench"].read_text().splitlines()
+        if json.loads(line)["topic"] in app["topics"])
+
+    # the link reproduces the board in a fresh page
+    href = page.locator("#share a").get_attribute("href")
+    assert href.startswith("?criteria=")
+    fresh = page.context.new_page()
+    fresh.goto(app["url"] + "/" + href)
+    expect(fresh.locator("#board-info")).to_contain_text("# Examples")
+    assert column_names(fresh, "#board") == columns
+    assert body_rows(fresh, "#board") == rows
+    assert fresh.locator("#criteria textarea").input_value() == "\n".join(CRITERIA)
+    fresh.close()
+
+
+def test_the_page_contrast_and_similarity(app, page):
+    from playwright.sync_api import expect
+
+    page.goto(app["url"])
+    page.get_by_role("tab", name="Customizable leaderboard").click()
+    page.locator("#criteria textarea").fill("I prefer short answers.")
+    page.locator("#contrast textarea").fill("I prefer long, detailed answers.")
+    page.locator("#describe textarea").fill("I ask about cooking and recipes")
+    generate(page, expect)
+    expect(page.locator("#board-info")).to_contain_text("most similar to")
+    expect(page.get_by_text("Kendall tau between the two rankings")).to_be_visible()
+    assert len(body_rows(page, "#contrast-left")) == len(body_rows(page, "#contrast-right")) == 8
+
+
+def test_the_page_shows_bad_input_as_text(app, page):
+    from playwright.sync_api import expect
+
+    page.goto(app["url"])
+    page.get_by_role("tab", name="Customizable leaderboard").click()
+    page.locator("#generate").click()  # empty criteria
+    expect(page.locator("#status")).to_contain_text("Cannot rank: No criteria")
+    page.get_by_role("button", name="Clear all").click()
+    page.locator("#criteria textarea").fill("be brief")
+    page.locator("#generate").click()
+    expect(page.locator("#status")).to_contain_text("No topic selected")
+
+    page.get_by_role("button", name="Select all").click()
+    evil = '<img src=x onerror="window.__xss = 1">'
+    page.locator("#criteria textarea").fill(f"be brief\n{evil}")
+    generate(page, expect)
+    expect(page.locator("#board-info")).to_contain_text(evil)  # shown as text
+    assert page.locator("#board-info img").count() == 0
+    assert page.evaluate("window.__xss") is None
+    assert "Traceback" not in page.content()

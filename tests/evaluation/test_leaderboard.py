@@ -1,0 +1,365 @@
+"""The USL (crm.evaluation.leaderboard) and crm-leaderboard (crm.cli.leaderboard): selection of
+benchmark lines, win-rate and micro-averaged Overall arithmetic, Kendall tau, the rendered
+outputs, the command."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scorers import export_tiny, run_cli, tiny_scorer
+
+from crm.cli.leaderboard import run
+from crm.evaluation.leaderboard import (DEFAULT_CRITERIA, LOSS, TIE, WIN, Bootstrap, Outcome,
+                             bootstrap_intervals, judge, kendall_tau, leaderboard,
+                             rank_upper_bounds, select, win_rates)
+from crm.evaluation.render import interval, markdown, plot
+from crm.data.transforms import LABEL_B
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def bench_line(idx, topic, responses: dict) -> dict:
+    return {"idx": idx, "topic": topic, "prompt": f"question {idx}", "responses": responses}
+
+
+def write_bench(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+class StubScorer:
+    """P(A), P(B), P(tie) read from the slot-B response's text: 'win', 'lose', 'even' (a score tie)
+    or 'tie' (the tie class). Records the examples it was given."""
+
+    kind = "pairwise"
+    TABLE = {"win": [0.2, 0.8, 0.0], "lose": [0.8, 0.2, 0.0], "even": [0.5, 0.5, 0.0],
+             "tie": [0.2, 0.2, 0.6]}
+
+    def __init__(self):
+        self.examples = []
+        self.counts = {}
+
+    def pair_probabilities(self, examples, unfit="raise", both_orders=False):
+        self.examples += examples
+        return torch.tensor([self.TABLE[e.conv_b[-1].content.split()[0]] for e in examples])
+
+
+# -- the arithmetic -------------------------------------------------------------------------------
+
+def test_win_rates_are_micro_averaged_with_ties_apart():
+    outcomes = [Outcome("m1", "small", WIN, 0.9)]                                   # 1 / 1
+    outcomes += [Outcome("m1", "big", r, 0.4) for r in (WIN, LOSS, LOSS)]           # 1 / 3
+    outcomes += [Outcome("m2", "small", LOSS, 0.1)]                                 # 0 / 1
+    outcomes += [Outcome("m2", "big", r, 0.6) for r in (WIN, WIN, TIE)]             # 2 / 3
+    rows = win_rates(outcomes, ["m1", "m2"], ["small", "big"])
+    by = {r["model"]: r for r in rows}
+    assert by["m1"]["overall"] == {"n": 4, "wins": 2, "ties": 0, "losses": 2, "win_rate": 0.5,
+                                   "ci_low": 0.0, "ci_high": 1.0,
+                                   "tie_rate": 0.0, "mean_p_win": 0.525}
+    # micro: (0 + 2) / 4, not the mean of the topic rates (0 + 0.667) / 2
+    assert by["m2"]["overall"] == {"n": 4, "wins": 2, "ties": 1, "losses": 1, "win_rate": 0.5,
+                                   "ci_low": 0.0, "ci_high": 1.0,
+                                   "tie_rate": 0.25, "mean_p_win": 0.475}
+    assert by["m1"]["topics"]["small"]["win_rate"] == 1.0
+    assert by["m1"]["topics"]["big"]["win_rate"] == round(1 / 3, 4)
+    assert by["m2"]["topics"]["big"] == {"n": 3, "wins": 2, "ties": 1, "losses": 0,
+                                         "win_rate": round(2 / 3, 4), "ci_low": 0.0,
+                                         "ci_high": 1.0, "tie_rate": round(1 / 3, 4),
+                                         "mean_p_win": 0.6}
+    # one example: no interval
+    assert by["m1"]["topics"]["small"]["ci_low"] is None
+    # equal win rates: the higher mean P(win) ranks first; the intervals cannot tell them apart
+    assert [(r["rank"], r["rank_ub"], r["model"]) for r in rows] == [(1, 1, "m1"), (2, 1, "m2")]
+
+
+def test_bootstrap_intervals_by_hand():
+    # two examples, one won: a resample of 2 draws holds 0, 1 or 2 wins with probability 1/4,
+    # 1/2, 1/4, so the 2.5th and 97.5th percentiles of the resampled rates are 0 and 1; all won:
+    # every resample is all won; one example: no interval
+    assert bootstrap_intervals([[1, 0], [1, 1, 1], [1]]) == [(0.0, 1.0), (1.0, 1.0), None]
+    # 100 examples, half won: the rate's standard error is sqrt(.5 * .5 / 100) = 0.05, so the
+    # interval is about 0.5 -/+ 1.96 * 0.05 (resampling noise at 1000 resamples: about 0.01)
+    half = [1.0, 0.0] * 50
+    (low, high), = bootstrap_intervals([half])
+    assert low == pytest.approx(0.5 - 1.96 * 0.05, abs=0.015)
+    assert high == pytest.approx(0.5 + 1.96 * 0.05, abs=0.015)
+    # seeded: the same again; a 50% level is narrower
+    assert bootstrap_intervals([half]) == [(low, high)]
+    (low50, high50), = bootstrap_intervals([half], Bootstrap(level=0.5))
+    assert low < low50 < 0.5 < high50 < high
+    # Arena-Hard's notation, in points of %
+    assert interval({"win_rate": 0.5, "ci_low": low, "ci_high": high}) == (
+        f"(-{100 * (0.5 - low):.1f} / +{100 * (high - 0.5):.1f})")
+    assert interval({"win_rate": 1.0, "ci_low": None, "ci_high": None}) == ""
+
+
+def test_rank_upper_bound_counts_the_models_wholly_above():
+    def row(low, high):
+        return {"overall": {"win_rate": (low + high) / 2, "ci_low": low, "ci_high": high}}
+
+    # a [.6, .8] and b [.5, .7] overlap: both may be first; c [.1, .3] is below both; d [.25, .4]
+    # overlaps c only: c's bound counts a and b, d's too
+    rows = [row(.6, .8), row(.5, .7), row(.1, .3), row(.25, .4)]
+    assert rank_upper_bounds(rows) == [1, 1, 3, 3]
+
+
+def test_judge_puts_the_baseline_in_slot_a_and_counts_wins_ties_losses(tmp_path):
+    path = write_bench(tmp_path / "bench.jsonl", [
+        bench_line(0, "t1", {"base": "b0", "m1": "win", "m2": "lose"}),
+        bench_line(1, "t1", {"base": "b1", "m1": "even", "m2": "win"}),
+        bench_line(2, "t2", {"base": "b2", "m1": "tie", "m2": "win"}),
+        bench_line(3, "t2", {"base": "b3", "m1": "win", "m2": "win"}),
+        bench_line(4, "t2", {"base": "b4", "m1": "lose", "m2": "win"}),
+    ])
+    selection = select(path, "base")
+    assert selection.models == ("m1", "m2") and selection.topics == ("t1", "t2")
+    scorer = StubScorer()
+    outcomes = judge(scorer, selection, ["be brief"])
+    first = scorer.examples[0]
+    assert first.conv_a[-1].content == "b0" and first.conv_b[-1].content == "win"
+    assert first.criteria == ("be brief",) and first.query == "question 0"
+    assert [o.result for o in outcomes if o.model == "m1"] == [WIN, TIE, TIE, WIN, LOSS]
+    assert outcomes[0].p_win == pytest.approx(StubScorer.TABLE["win"][LABEL_B])
+    rows = win_rates(outcomes, selection.models, selection.topics)
+    by = {r["model"]: r for r in rows}
+    assert by["m2"]["overall"]["win_rate"] == 0.8 and by["m2"]["rank"] == 1
+    assert by["m1"]["overall"]["win_rate"] == 0.4 and by["m1"]["overall"]["ties"] == 2
+    assert by["m1"]["topics"]["t1"]["win_rate"] == 0.5
+    assert by["m1"]["topics"]["t2"]["win_rate"] == round(1 / 3, 4)
+
+
+def test_kendall_tau_of_identical_and_reversed_rankings():
+    rows = [{"model": m, "rank": i + 1} for i, m in enumerate("abcd")]
+    reversed_rows = [{"model": m, "rank": 4 - i} for i, m in enumerate("abcd")]
+    assert kendall_tau(rows, rows)["tau"] == 1.0
+    assert kendall_tau(rows, reversed_rows)["tau"] == -1.0
+    one_swap = [{"model": m, "rank": r} for m, r in zip("abcd", (2, 1, 3, 4))]
+    assert kendall_tau(rows, one_swap)["tau"] == round(4 / 6, 4)  # (5 - 1) / 6 pairs
+
+
+# -- selecting benchmark lines --------------------------------------------------------------------
+
+def test_topic_selection_counts_the_lines_left_out(tmp_path):
+    path = write_bench(tmp_path / "bench.jsonl", [
+        bench_line(i, ("a", "b", "c")[i % 3], {"base": "x", "m": "win"}) for i in range(7)])
+    selection = select(path, "base", topics=["c", "a"])
+    assert selection.topics == ("a", "c")  # the benchmark's order
+    assert {r.topic for r in selection.records} == {"a", "c"}
+    assert selection.counts == {"read": 7, "used": 5, "rejected": 0, "outside_topics": 2}
+    with pytest.raises(ValueError, match=r"topics=\['d'\] not in the benchmark \(topics: a, b, c\)"):
+        select(path, "base", topics=["a", "d"])
+
+
+def test_a_line_missing_the_baseline_or_a_model_is_reported_not_skipped(tmp_path):
+    path = write_bench(tmp_path / "bench.jsonl", [
+        bench_line(0, "t", {"base": "x", "m1": "win", "m2": "win"}),
+        bench_line(1, "t", {"m1": "win", "m2": "win"}),              # no baseline
+        bench_line(2, "t", {"base": "x", "m1": "win"}),              # no m2
+        '{"idx": 3, "topic": "t", "prompt": "q", "responses": ',     # broken JSON
+        bench_line(4, "t", {"base": "x", "m1": "lose", "m2": "win"}),
+    ])
+    selection = select(path, "base")
+    assert selection.counts == {"read": 5, "used": 2, "rejected": 3, "outside_topics": 0}
+    rejects = sorted(selection.rejects, key=lambda r: r["line"])
+    assert [(r["file"], r["line"], r["field"]) for r in rejects] == [
+        (str(path), 2, "responses.base"), (str(path), 3, "responses.m2"), (str(path), 4, "")]
+    assert "baseline 'base'" in rejects[0]["reason"] and "bad JSON" in rejects[2]["reason"]
+    # ranking only m1: the line without m2 is usable again
+    assert select(path, "base", models=["m1"]).counts["used"] == 3
+    # and the outputs say so
+    result = leaderboard(StubScorer(), selection, ["be brief"])
+    assert result["examples"]["rejected"] == 3 and len(result["rejects"]) == 3
+    text = markdown(result)
+    assert f"{path}:2: responses.base: no response from the baseline" in text
+    assert "2 examples used (3 rejected, 0 outside the selected topics, 5 read)" in text
+
+
+def test_a_baseline_or_model_absent_everywhere_is_an_error(tmp_path):
+    path = write_bench(tmp_path / "bench.jsonl", [bench_line(0, "t", {"base": "x", "m": "win"})])
+    with pytest.raises(ValueError, match="baseline 'gpt' has no response in any line"):
+        select(path, "gpt")
+    with pytest.raises(ValueError, match=r"models=\['nope'\] have no response"):
+        select(path, "base", models=["nope"])
+
+
+# -- outputs --------------------------------------------------------------------------------------
+
+def test_markdown_and_png_with_a_contrast_set(tmp_path):
+    lines = [bench_line(i, ("t1", "t2")[i % 2], {"base": "x", "m1": ("win", "lose")[i % 2],
+                                                  "m2": "win", "m3": "lose"}) for i in range(4)]
+    selection = select(write_bench(tmp_path / "bench.jsonl", lines), "base")
+
+    class Flipping(StubScorer):
+        """Under the contrast criteria every verdict reverses."""
+
+        def pair_probabilities(self, examples, unfit="raise", both_orders=False):
+            p = super().pair_probabilities(examples)
+            return p[:, [1, 0, 2]] if examples[0].criteria == ("long",) else p
+
+    result = leaderboard(Flipping(), selection, ["short"], contrast=["long"],
+                         labels=("concise", "detailed"))
+    assert [b["label"] for b in result["boards"]] == ["concise", "detailed"]
+    assert [r["model"] for r in result["boards"][0]["rows"]] == ["m2", "m1", "m3"]
+    assert [r["model"] for r in result["boards"][1]["rows"]] == ["m3", "m1", "m2"]
+    assert result["kendall_tau"]["tau"] == -1.0
+    text = markdown(result)
+    assert "| Rank | Rank (UB) | Model | Overall | 95% CI | t1 | t2 |" in text
+    assert ("| 1 | 1 | m2 | **100.0** | (-0.0 / +0.0) | 100.0 (-0.0 / +0.0) | 100.0 (-0.0 / +0.0) |"
+            in text)
+    m1 = next(r for r in result["boards"][0]["rows"] if r["model"] == "m1")["overall"]
+    assert m1["win_rate"] == 0.5 and m1["ci_low"] < 0.5 < m1["ci_high"]
+    assert (f"| 2 | 1 | m1 | **50.0** | {interval(m1)} | 100.0 (-0.0 / +0.0) | "
+            f"0.0 (-0.0 / +0.0) |") in text
+    assert result["interval"] == {"level": 0.95, "resamples": 1000, "seed": 0,
+                                  "method": "percentile bootstrap over queries"}
+    assert "Kendall tau between the two rankings: **-1.000**" in text
+    png = plot(result, tmp_path / "leaderboard.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_prefix_reuse_gives_the_same_leaderboard(tmp_path):
+    lines = [bench_line(i, "t", {"base": "alpha reply " * (2 + i), "m1": "beta reply",
+                                 "m2": "beta reply answer " * 3, "m3": "the answer"})
+             for i in range(3)]
+    selection = select(write_bench(tmp_path / "bench.jsonl", lines), "base")
+    plain = tiny_scorer(prefix_reuse=False)
+    reused = tiny_scorer(prefix_reuse=True, batch_size=2)
+    p_plain = [o.p_win for o in judge(plain, selection, ["concise answer"])]
+    p_reused = [o.p_win for o in judge(reused, selection, ["concise answer"])]
+    assert p_reused == pytest.approx(p_plain, abs=1e-4)
+    assert reused.counts["prefix_sequences"] == 9 and plain.counts["prefix_sequences"] == 0
+
+
+def test_a_pair_too_long_to_fit_is_an_error_that_names_it(tmp_path):
+    # m2 answers in 40 turns: even shortened to 16 tokens a message, too long for 300 tokens
+    turns = [{"role": "user", "content": "question 0"}]
+    turns += [{"role": r, "content": "beta reply " * 20} for _ in range(20)
+              for r in ("assistant", "user")][:-1]
+    path = write_bench(tmp_path / "bench.jsonl", [
+        bench_line(0, "t", {"base": "alpha", "m1": "beta", "m2": turns})])
+    with pytest.raises(ValueError, match="1 pairs .* cannot fit in 300 tokens .*: 0/m2$"):
+        judge(tiny_scorer(max_tokens=300), select(path, "base"), ["concise answer"])
+
+
+def test_a_pointwise_model_scores_each_baseline_response_once(tmp_path):
+    selection = select(demo_like_bench(tmp_path), "base")
+    scorer = tiny_scorer("pointwise")
+    outcomes = judge(scorer, selection, ["concise answer"])
+    assert len(outcomes) == 6 * 3
+    assert scorer.counts["sequences"] == 6 * (3 + 1)  # each query: the baseline once, 3 models
+    assert all(o.result in (WIN, LOSS, TIE) and 0.0 < o.p_win < 1.0 for o in outcomes)
+
+
+def test_the_demo_benchmark_reverses_under_contradictory_length_criteria(tmp_path):
+    """With a judge that follows the criteria (here: word counts), "detailed" and "concise" rank
+    the demo's models in opposite orders: what a trained CRM should reproduce in `make demo`."""
+    from crm.data.demo import BENCH_BASELINE, BENCH_MODELS, write_demo
+
+    class LengthJudge(StubScorer):
+        def pair_probabilities(self, examples, unfit="raise", both_orders=False):
+            rows = []
+            for e in examples:
+                words = [sum(len(m.content.split()) for m in c) for c in (e.conv_a, e.conv_b)]
+                sign = 1.0 if e.criteria == ("detailed",) else -1.0
+                p_b = float(torch.sigmoid(torch.tensor(sign * (words[1] - words[0]) / 5)))
+                rows.append([1 - p_b, p_b, 0.0])
+            return torch.tensor(rows)
+
+    write_demo(tmp_path, n_train=0, n_test=2, n_bench=60)
+    selection = select(tmp_path / "bench.jsonl", BENCH_BASELINE)
+    assert set(selection.models) == set(BENCH_MODELS) and selection.counts["used"] == 60
+    result = leaderboard(LengthJudge(), selection, ["detailed"], contrast=["concise"])
+    assert result["kendall_tau"]["tau"] <= -0.8
+    assert result["boards"][0]["rows"][0]["model"] == max(BENCH_MODELS,
+                                                         key=lambda m: BENCH_MODELS[m]["length"])
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def demo_like_bench(tmp_path) -> Path:
+    return write_bench(tmp_path / "bench.jsonl", [
+        bench_line(i, ("t1", "t2")[i % 2], {"base": "alpha reply " * (1 + i % 3),
+                                            "m1": "beta reply", "m2": "the answer is alpha",
+                                            "m3": "beta reply " * 4}) for i in range(6)])
+
+
+def test_crm_leaderboard_writes_json_md_png(tmp_path):
+    export = export_tiny(tmp_path / "export")
+    bench = demo_like_bench(tmp_path)
+    run_dir = tmp_path / "run"
+    result = run_cli("leaderboard", run, [
+        f"checkpoint={export}", f"bench={bench}", "baseline=base",
+        'criteria=["concise answer, please","is friendly"]', 'contrast=["detailed answer"]',
+        "topics=[t2]", "progress=false", "labels.criteria=concise", "labels.contrast=detailed"],
+        run_dir)
+    saved = json.loads((run_dir / "leaderboard.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert saved["boards"][0]["criteria"] == ["concise answer, please", "is friendly"]
+    assert saved["topics"] == ["t2"] and saved["examples"]["used"] == 3
+    assert saved["examples"]["outside_topics"] == 3
+    assert -1.0 <= saved["kendall_tau"]["tau"] <= 1.0
+    assert saved["sequences"]["prefix_sequences"] == saved["sequences"]["sequences"] == 2 * 9
+    assert (run_dir / "leaderboard.md").read_text() == markdown(saved)
+    assert (run_dir / "leaderboard.png").stat().st_size > 10_000
+
+
+def test_default_mode_ranks_under_the_generic_criterion(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        cfg = compose("leaderboard", overrides=["checkpoint=x", "bench=y", "baseline=z"],
+                      return_hydra_config=True)
+    assert tuple(cfg.default_criteria) == DEFAULT_CRITERIA
+    assert cfg.hydra.run.dir.endswith("/outputs/leaderboard/default")
+
+    export = export_tiny(tmp_path / "export")
+    common = [f"checkpoint={export}", f"bench={demo_like_bench(tmp_path)}", "baseline=base",
+              "progress=false"]
+    result = run_cli("leaderboard", run, [*common, "default=true"], tmp_path / "run")
+    assert result["boards"][0]["criteria"] == list(DEFAULT_CRITERIA)
+    assert result["boards"][0]["label"] == "default"
+    with pytest.raises(ValueError, match="give criteria=\\[...\\] or default=true, not both"):
+        run_cli("leaderboard", run, [*common, "default=true", "criteria=[x]"], tmp_path / "run")
+    with pytest.raises(ValueError, match="no criteria"):
+        run_cli("leaderboard", run, common, tmp_path / "run")
+
+
+def test_strict_refuses_rejected_lines(tmp_path):
+    bench = write_bench(tmp_path / "bench.jsonl", [
+        bench_line(0, "t", {"base": "x", "m": "y"}), bench_line(1, "t", {"m": "y"})])
+    with pytest.raises(ValueError, match="1 benchmark lines rejected \\(strict=true\\)"):
+        run_cli("leaderboard", run, [f"checkpoint={tmp_path}", f"bench={bench}", "baseline=base",
+                                     "criteria=[x]", "strict=true"], tmp_path / "run")
+
+
+def test_the_installed_command(tmp_path):
+    """One run of the installed script: outputs land in hydra.run.dir."""
+    export = export_tiny(tmp_path / "export")
+    run_dir = tmp_path / "run"
+    bin_dir = Path(sys.executable).parent
+    proc = subprocess.run(
+        [str(bin_dir / "crm-leaderboard"), f"checkpoint={export}", f"bench={demo_like_bench(tmp_path)}",
+         "baseline=base", "criteria=[concise answer]", "progress=false",
+         f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| Rank | Rank (UB) | Model | Overall | 95% CI | t1 | t2 |" in proc.stdout
+    assert {p.name for p in run_dir.iterdir()} >= {"leaderboard.json", "leaderboard.md",
+                                                   "leaderboard.png"}
+
+
+def test_a_failing_run_exits_non_zero(tmp_path, monkeypatch, capsys):
+    from crm.cli.leaderboard import main
+
+    monkeypatch.setattr("sys.argv", ["crm-leaderboard", f"checkpoint={tmp_path}",
+                                     f"bench={tmp_path}/none.jsonl", "baseline=base",
+                                     "criteria=[x]", f"hydra.run.dir={tmp_path}/run"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 1 and "none.jsonl" in capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""Backbones, CRM heads, losses and export (crm.models)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import tiny_tokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from crm.data.padding import pad_rows
+from crm.models.backbone import ARCHITECTURES, build_classifier, choose_attention, count_parameters
+from crm.models.heads import PairwiseCRM, PointwiseCRM, last_token_logits
+from crm.models.export import export_crm, load_export, read_meta
+from crm.models.factory import build_crm
+from crm.core.prompts import PromptEncoder, PromptTemplate
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, intermediate_size=64, max_position_embeddings=512)
+
+# Totals of the sequence classifier (2 labels) and non-embedding counts, in billions to 3 decimals.
+PUBLISHED = {"qwen3-0.6b": (0.596e9, 0.440e9), "qwen3-1.7b": (1.721e9, 1.409e9),
+             "qwen3-4b": (4.022e9, 3.634e9), "qwen3-8b": (7.568e9, 6.946e9)}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_real_sizes_on_meta_device_match_published_counts(arch):
+    model = build_classifier(num_labels=2, pad_token_id=0, arch=arch, device="meta")
+    counts = count_parameters(model)
+    total, non_embedding = PUBLISHED[arch]
+    # The table gives three decimals of billions: agree to its rounding.
+    assert counts["total"] == pytest.approx(total, abs=0.5e6)
+    assert counts["non_embedding"] == pytest.approx(non_embedding, abs=0.5e6)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.config.pad_token_id == 0
+
+
+def test_attention_choice_on_cpu():
+    assert choose_attention("auto") == "sdpa"
+    with pytest.raises(ValueError, match="flash-attn is not installed"):
+        choose_attention("flash_attention_2")
+
+
+def tiny_crm(kind: str, num_labels: int = 2, seed: int = 0):
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    return build_crm(kind, num_labels=num_labels, pad_token_id=tok.pad_token_id,
+                     arch={**TINY, "vocab_size": len(tok)}, attention="sdpa"), tok
+
+
+def encoded_pairs(tok, n: int = 4) -> list[list[int]]:
+    enc = PromptEncoder(tok, max_tokens=400)
+    from crm.core.records import Message
+    items = [(["concise answer"] * (1 + i % 2), f"query {i}", (Message("assistant", "alpha " * (i + 1)),),
+              (Message("assistant", "beta reply " * (3 - i % 3)),)) for i in range(n)]
+    return enc.pairwise_many(items)
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "pointwise"])
+def test_a_row_scores_the_same_alone_and_padded_in_a_batch(kind):
+    crm, tok = tiny_crm(kind)
+    crm.eval()
+    rows = encoded_pairs(tok)
+    assert len({len(r) for r in rows}) > 1  # the batch really pads
+    with torch.no_grad():
+        batch = pad_rows(rows, tok.pad_token_id)
+        together = crm(batch["input_ids"], batch["attention_mask"])
+        for i, row in enumerate(rows):
+            alone = pad_rows([row], tok.pad_token_id)
+            single = crm(alone["input_ids"], alone["attention_mask"])
+            torch.testing.assert_close(together[i], single[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_left_padded_batch_is_refused():
+    crm, tok = tiny_crm("pairwise")
+    batch = pad_rows(encoded_pairs(tok), tok.pad_token_id)
+    left_mask = batch["attention_mask"].flip(1)
+    with pytest.raises(ValueError, match="right padded"):
+        crm(batch["input_ids"], left_mask)
+
+
+def test_pairwise_loss_is_cross_entropy_and_accuracy_counts_argmax():
+    crm, tok = tiny_crm("pairwise")
+    batch = pad_rows(encoded_pairs(tok), tok.pad_token_id)
+    batch["labels"] = torch.tensor([0, 1, 1, 0])
+    out = crm.loss(batch)
+    logits = crm(batch["input_ids"], batch["attention_mask"])
+    assert out["loss"].item() == pytest.approx(
+        torch.nn.functional.cross_entropy(logits, batch["labels"]).item(), rel=1e-5)
+    assert out["acc"].item() == (logits.argmax(-1) == batch["labels"]).float().mean().item()
+    assert out["n"] == 4
+
+
+def test_bradley_terry_loss_reads_chosen_then_rejected_rows():
+    crm, _ = tiny_crm("pointwise")
+    crm.margin, crm.center_coef = 0.5, 0.1
+    rewards = torch.tensor([2.0, 0.0, 1.0, 1.0])  # chosen 2, 0 ; rejected 1, 1
+    crm.forward = lambda input_ids, attention_mask: rewards  # the loss arithmetic alone
+    rows = torch.ones((4, 3), dtype=torch.long)
+    out = crm.loss({"input_ids": rows, "attention_mask": rows})
+    bt = -(math.log(1 / (1 + math.exp(-(1 - 0.5)))) + math.log(1 / (1 + math.exp(-(-1 - 0.5))))) / 2
+    center = 0.1 * ((2 + 1) ** 2 + (0 + 1) ** 2) / 2
+    assert out["loss"].item() == pytest.approx(bt + center, rel=1e-5)
+    assert out["acc"].item() == 0.5 and out["n"] == 2
+    assert out["margin"].item() == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "pointwise"])
+def test_an_empty_batch_gives_a_zero_loss_that_still_reaches_every_parameter(kind):
+    crm, tok = tiny_crm(kind)
+    batch = {"input_ids": torch.zeros((0, 1), dtype=torch.long),
+             "attention_mask": torch.zeros((0, 1), dtype=torch.long),
+             "labels": torch.zeros(0, dtype=torch.long)}
+    out = crm.loss(batch)
+    out["loss"].backward()
+    assert out["loss"].item() == 0.0 and out["n"] == 0
+    assert all(p.grad is not None and not p.grad.any() for p in crm.parameters())
+
+
+@pytest.mark.parametrize("kind,num_labels", [("pairwise", 2), ("pairwise", 3), ("pointwise", 1)])
+def test_export_loads_in_plain_transformers_with_identical_logits(tmp_path, kind, num_labels):
+    crm, tok = tiny_crm(kind, num_labels=max(num_labels, 2) if kind == "pairwise" else 2)
+    template = PromptTemplate(criterion="* {criterion}")
+    export_crm(crm.model, tok, tmp_path, kind=kind, template=template, max_tokens=400)
+    assert (tmp_path / "model.safetensors").is_file()
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert tokenizer.pad_token_id == tok.pad_token_id
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == \
+        tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    batch = pad_rows(encoded_pairs(tok), tok.pad_token_id)
+    with torch.no_grad():
+        ours = last_token_logits(crm.model.eval(), batch["input_ids"], batch["attention_mask"])
+        plain = model(**batch).logits
+    torch.testing.assert_close(plain, ours, atol=1e-6, rtol=1e-6)
+    meta = read_meta(tmp_path)
+    assert meta["kind"] == kind and len(meta["labels"]) == model.config.num_labels
+    _, _, loaded_template, _ = load_export(tmp_path)
+    assert loaded_template == template
+
+
+def test_model_from_a_local_checkpoint_path(tmp_path):
+    crm, tok = tiny_crm("pairwise")
+    crm.model.save_pretrained(tmp_path)
+    loaded = build_crm("pairwise", num_labels=2, pad_token_id=None, path=str(tmp_path), attention="sdpa")
+    assert isinstance(loaded, PairwiseCRM) and loaded.model.config.pad_token_id == tok.pad_token_id
+    for a, b in zip(crm.parameters(), loaded.parameters()):
+        torch.testing.assert_close(a, b)
+    pointwise = build_crm("pointwise", num_labels=1, pad_token_id=None, path=str(tmp_path),
+                          attention="sdpa")
+    assert isinstance(pointwise, PointwiseCRM) and pointwise.model.config.num_labels == 1

@@ -1,0 +1,246 @@
+"""FLOPs (crm.perf.flops), the memory plan (crm.perf.memory) and crm-plan: hand-checked arithmetic, the
+figures of docs/PERFORMANCE.md, and the CLI for every model size."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import crm_configs
+from crm.cli.plan import main as plan_main
+from crm.perf.flops import (PEAK_FLOPS, ModelShape, flops_per_token, mfu, peak_flops,
+                       tokens_per_s_at)
+from crm.perf.memory import GIB, host_startup_plan, memory_plan
+from crm.models.backbone import build_classifier
+
+# A Qwen3 small enough to count by hand: h 64, 2 layers, 4 heads x 16 (q width 64), 2 kv heads
+# (k width 32), intermediate 128, vocabulary 100, tied embeddings, 2 labels (no bias anywhere).
+SMALL = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=True)
+# One layer: q 64x64 + k 64x32 + v 64x32 + o 64x64 = 12,288; q/k norms 16 + 16; gate/up/down
+# 3 x 64x128 = 24,576; two RMSNorms 2 x 64: 37,024.
+LAYER = 12_288 + 32 + 24_576 + 128
+NON_EMBEDDING = 2 * LAYER + 64 + 64 * 2  # + final norm + score head (64 x 2)
+TOTAL = NON_EMBEDDING + 100 * 64  # + the (tied) embedding
+
+
+@pytest.fixture(scope="module")
+def small() -> ModelShape:
+    return ModelShape.from_config(Qwen3Config(**SMALL, num_labels=2, pad_token_id=0))
+
+
+@pytest.fixture(scope="module")
+def shapes() -> dict[str, ModelShape]:
+    return {arch: ModelShape.from_model(build_classifier(num_labels=2, pad_token_id=0, arch=arch,
+                                                         attention="sdpa", device="meta"))
+            for arch in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")}
+
+
+# -- FLOPs ----------------------------------------------------------------------------------------
+
+def test_shape_counts_a_small_qwen3_by_hand(small):
+    assert (small.total_params, small.non_embedding_params, small.layer_params) == (
+        TOTAL, NON_EMBEDDING, LAYER) == (80_640, 74_240, 37_024)
+    assert small.root_params == 100 * 64 + 64 + 128
+    assert (small.layers, small.hidden, small.heads, small.kv_heads, small.head_dim,
+            small.intermediate) == (2, 64, 4, 2, 16, 128)
+
+
+def test_flops_per_token_by_hand(small):
+    # 6 N + 12 L H d S = 6 x 74,240 + 12 x 2 x 4 x 16 x 10 = 445,440 + 15,360
+    assert flops_per_token(small, 10) == 460_800
+    assert flops_per_token(small, 10, training=False) == 153_600
+    assert flops_per_token(small, 0) == 6 * NON_EMBEDDING  # the attention term grows with S only
+
+
+def test_parameter_counts_match_perf_md(shapes):
+    expected = {"qwen3-0.6b": (0.596, 0.440), "qwen3-1.7b": (1.721, 1.409),
+                "qwen3-4b": (4.022, 3.634), "qwen3-8b": (7.568, 6.946)}
+    for arch, (total, non_embedding) in expected.items():
+        s = shapes[arch]
+        assert round(s.total_params / 1e9, 3) == total, arch
+        assert round(s.non_embedding_params / 1e9, 3) == non_embedding, arch
+
+
+def test_tokens_per_s_at_40_percent_mfu_match_perf_md(shapes):
+    # docs/PERFORMANCE.md: a Qwen3-4B reward model at 4k tokens and 40% MFU on H100: about 13.6k tokens/s/GPU;
+    # 8B: about 8.1k.
+    for arch, expected in (("qwen3-4b", 13.6e3), ("qwen3-8b", 8.1e3)):
+        per_token = flops_per_token(shapes[arch], 4096)
+        rate = tokens_per_s_at(0.4, per_token, PEAK_FLOPS["h100"])
+        assert rate == pytest.approx(expected, rel=0.005), arch
+        assert mfu(rate, per_token, PEAK_FLOPS["h100"]) == pytest.approx(0.4)
+
+
+def test_peaks_unknown_gpus_and_overrides():
+    assert peak_flops("h100") == peak_flops("H200") == 989e12 and peak_flops("a100") == 312e12
+    assert peak_flops(None) is None and peak_flops("v100") is None
+    assert peak_flops("v100", peak=1e12) == 1e12  # a configured peak wins
+    assert mfu(1000.0, 1e9, None) is None and tokens_per_s_at(0.4, 1e9, None) is None
+    if not torch.cuda.is_available():
+        assert peak_flops("auto") is None  # a CPU has no peak
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+def plan_bytes(plan: dict) -> dict:
+    return {k[:-4]: round(v * GIB) for k, v in plan.items() if k.endswith("_gib")
+            and k not in ("gpu_memory_gib", "reserved_gib", "usable_gib")}
+
+
+def test_memory_plan_by_hand(small):
+    p = plan_bytes(memory_plan(small, world=2, seq_len=10, micro_batch_size=1, kind="pairwise",
+                               precision="bf16-mixed"))
+    assert p["params"] == p["grads"] == TOTAL * 4 / 2 == 161_280
+    assert p["optimizer"] == TOTAL * 8 / 2
+    assert p["states"] == TOTAL * 16 / 2 and p["states_all_gpus"] == TOTAL * 16
+    # root (embedding + final norm + head) and 2 layers in bf16, one layer's fp32 gradient
+    assert p["unsharded"] == (small.root_params + 2 * LAYER) * 2 + LAYER * 4 == 309_376
+    # layer set per token: 4h + 3q + 3k + 4i = 256 + 192 + 96 + 512 = 1,056 elements
+    # checkpointed: 10 tokens x (L h + 2 x 1,056) x 2 B; full: 10 x (L + 1) x 1,056 x 2 B
+    assert p["activations_checkpointed"] == 10 * (2 * 64 + 2 * 1056) * 2 == 44_800
+    assert p["activations_full"] == 10 * 3 * 1056 * 2 == 63_360
+    assert p["head"] == 10 * 2 * 64 * 2 + 2 * 4  # final norm in/out + the logits: tiny
+    fixed = p["states"] + p["unsharded"] + p["head"]
+    assert p["total"] == p["total_checkpointed"] == fixed + 44_800
+    assert p["total_full"] == fixed + 63_360
+
+    eager = plan_bytes(memory_plan(small, world=2, seq_len=10, flash=False))
+    assert eager["activations_checkpointed"] == 10 * (2 * 64 + 2 * (1056 + 10 * 4)) * 2  # + S x heads
+
+    pointwise = plan_bytes(memory_plan(small, world=2, seq_len=10, kind="pointwise"))
+    assert pointwise["activations_checkpointed"] == 2 * 44_800  # chosen + rejected rows
+
+    true16 = plan_bytes(memory_plan(small, world=2, seq_len=10, precision="bf16-true"))
+    assert true16["states"] == TOTAL * 8 / 2 and true16["activations_full"] == 63_360
+    fp32 = plan_bytes(memory_plan(small, world=2, seq_len=10, precision="32-true"))
+    assert fp32["states"] == TOTAL * 16 / 2 and fp32["activations_full"] == 2 * 63_360
+
+
+def test_fits_keeps_the_headroom(small):
+    p = memory_plan(small, world=1, seq_len=10, gpu_memory_gib=80)
+    assert p["usable_gib"] == 80 * 0.9 - 2.0 and p["fits"]
+    total, full = p["total_checkpointed_gib"], p["total_full_gib"]
+    exact = (total + 1.0) / 0.8  # 20% headroom and 1 GiB reserved leave exactly `total`
+    kw = dict(world=1, seq_len=10, headroom_fraction=0.2, reserved_gib=1.0)
+    assert memory_plan(small, gpu_memory_gib=exact * (1 + 1e-7), **kw)["fits"]
+    assert not memory_plan(small, gpu_memory_gib=exact * (1 - 1e-7), **kw)["fits"]
+    off = memory_plan(small, gpu_memory_gib=exact * (1 + 1e-7), activation_checkpointing=False, **kw)
+    assert full > total and off["total_gib"] == full
+    assert not off["fits"] and not off["fits_full"] and off["fits_checkpointed"]
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        memory_plan(small, world=1, seq_len=10, precision="fp8")
+
+
+@pytest.mark.parametrize("arch,states_total,states_per_gpu,block_kib", [
+    ("qwen3-4b", 60, 7.5, 180), ("qwen3-8b", 113, 14, 288)])
+def test_qwen3_4b_and_8b_fit_8_x_80_gib_as_perf_md_says(shapes, arch, states_total,
+                                                        states_per_gpu, block_kib):
+    s = shapes[arch]
+    p = memory_plan(s, world=8, seq_len=4096, micro_batch_size=1, precision="bf16-mixed",
+                    activation_checkpointing=True, gpu_memory_gib=80)
+    assert round(p["states_all_gpus_gib"]) == states_total
+    assert round(p["states_gib"], 0 if states_per_gpu == 14 else 1) == states_per_gpu
+    assert s.layers * s.hidden * 2 == block_kib * 1024  # block inputs per token (docs/PERFORMANCE.md)
+    assert p["fits"] and p["total_gib"] < 0.5 * p["usable_gib"]
+    assert p["activations_checkpointed_gib"] < p["activations_full_gib"] / 5
+    assert p["head_gib"] < 0.1
+
+
+def test_host_memory_at_start_up_by_hand(small):
+    h = host_startup_plan(small, world=4, devices=2, checkpoint_bytes=2, param_bytes=4)
+    # 2 nodes x 2 GPUs: a node reads half of the bf16 checkpoint; a rank holds a quarter of the
+    # root (the embedding nearly all of it) in flight, read (2 B) and converted (4 B).
+    assert round(h["pretrained_page_cache_gib"] * GIB) == TOTAL * 2 * 2 // 4
+    assert round(h["pretrained_in_flight_per_rank_gib"] * GIB) == small.root_params * 6 // 4
+    assert round(h["pretrained_gib"] * GIB) == TOTAL + 2 * small.root_params * 6 // 4
+    assert round(h["random_init_gib"] * GIB) == 2 * TOTAL * 4  # both ranks: the whole fp32 model
+    with pytest.raises(ValueError, match="whole nodes"):
+        host_startup_plan(small, world=3, devices=2)
+
+
+def test_qwen3_8b_from_a_checkpoint_needs_about_its_bf16_size_per_8_gpu_node(shapes):
+    h = host_startup_plan(shapes["qwen3-8b"], world=16, devices=8)
+    assert round(h["pretrained_page_cache_gib"], 2) == round(7.568e9 * 2 / 2 / GIB, 2)  # half of it
+    assert h["pretrained_gib"] < 0.1 * h["random_init_gib"]  # every rank whole: 8 x 28 GiB
+
+
+# -- crm-plan -------------------------------------------------------------------------------------
+
+MODELS = sorted(p.stem for p in (Path(crm_configs.__file__).parent / "model").glob("*.yaml"))
+
+
+def run_plan(tmp_path: Path, *overrides: str) -> tuple[Path, str]:
+    """crm-plan in-process as Hydra runs it: the run dir is hydra.run.dir under paths.root_dir."""
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        cfg = compose("plan", overrides=[f"paths.root_dir={tmp_path}", *overrides],
+                      return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
+    run_dir = Path(cfg.hydra.run.dir)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        plan_main(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
+    return run_dir, json.loads((run_dir / "plan.json").read_text())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_crm_plan_writes_plan_json_for_every_model_size(model, tmp_path, capsys):
+    run_dir, plan = run_plan(tmp_path, f"model={model}")
+    assert run_dir == tmp_path / "outputs" / "plan" / model
+    out = capsys.readouterr().out
+    assert f"crm-plan: {model} pairwise, 1 node(s) x 8 GPUs" in out and "fits: yes" in out
+    assert plan["model"]["name"] == model and plan["memory"]["world"] == 8
+    assert plan["memory"]["fits"] is True
+    assert plan["flops"]["train_per_token"] == pytest.approx(3 * plan["flops"]["forward_per_token"])
+    assert plan["flops"]["tokens_per_s_per_gpu"] == pytest.approx(
+        0.4 * 989e12 / plan["flops"]["train_per_token"])
+
+
+def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
+    _, plan = run_plan(tmp_path, "model=qwen3-8b", "trainer.num_nodes=2", "trainer.devices=4",
+                       "kind=pointwise", "seq_len=2048", "gpu=v100", "activation_checkpointing=false")
+    mem = plan["memory"]
+    assert mem["world"] == 8 and mem["rows_per_micro_batch"] == 2 and mem["seq_len"] == 2048
+    assert mem["total_gib"] == mem["total_full_gib"]
+    assert round(mem["states_gib"]) == 14  # the same 8 GPUs share the states
+    assert plan["model"]["num_labels"] == 1
+    assert plan["flops"]["tokens_per_s"] is None
+    assert "no peak known for gpu=v100" in capsys.readouterr().out
+    _, plan = run_plan(tmp_path, "model=qwen3-8b", "gpu=v100", "peak_tflops=125")
+    assert plan["flops"]["peak_flops_per_gpu"] == 125e12
+
+
+def test_crm_plan_console_script_is_installed():
+    assert (Path(sys.executable).parent / "crm-plan").is_file()
+
+
+def test_crm_plan_host_memory_follows_model_path(tmp_path, capsys):
+    _, plan = run_plan(tmp_path, "model=qwen3-8b")
+    out = capsys.readouterr().out
+    assert not plan["host_startup"]["pretrained"]
+    assert plan["host_startup"]["checkpoint_bytes_per_param"] == 2  # a Qwen3 release: bf16
+    assert "random init, every rank the whole model" in out and out.count("<- configured") == 2
+    line = next(row for row in out.splitlines() if row.startswith("random init"))
+    assert line.endswith("<- configured")
+
+    checkpoint = tmp_path / "base"
+    Qwen3ForCausalLM(Qwen3Config(**SMALL)).save_pretrained(checkpoint)  # float32
+    _, plan = run_plan(tmp_path, "model=qwen3-8b", f"model.path={checkpoint}", "trainer.devices=2")
+    host = plan["host_startup"]
+    assert host["pretrained"] and host["checkpoint_bytes_per_param"] == 4
+    assert round(host["pretrained_page_cache_gib"] * GIB) == TOTAL * 4  # one node reads it all
+    line = next(row for row in capsys.readouterr().out.splitlines()
+                if row.startswith("from model.path,"))
+    assert line.endswith("<- configured")

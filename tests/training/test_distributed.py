@@ -1,0 +1,650 @@
+"""Distributed training end to end, on 2 CPU processes (gloo): FSDP2 sharding, loss curves that
+agree across FSDP, DDP and one process on the same global batches (from random init and from a
+pretrained checkpoint loaded into the shards), sharded checkpoints that resume and export, a
+simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
+
+Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
+session in rank 1): Lightning launches rank 1 itself, or, for SLURM, the test starts one process
+per task with SLURM_* variables, as srun would. Runs share one demo data set; the runs several
+tests compare (FSDP, DDP, the one-process reference) run once per module, on first use.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import free_port
+from hydra import compose, initialize_config_module
+
+from crm.core.errors import ConfigError
+from crm.data.demo import prepare_demo
+from crm.data.manifest import load_manifest
+from crm.models.checkpoint import load_checkpoint, model_weights, resolve_resume
+from crm.training.parallel import SHARDED_META, is_complete_checkpoint
+
+# The subprocess tests are marked slow (15 runs, about 6 minutes on the busy 2-core machine):
+# `make test` runs them too, `-m 'not slow'` leaves them out.
+slow = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+REFERENCE = Path(__file__).parents[1] / "dist" / "single_reference.py"
+RUN_TIMEOUT = 240  # seconds; a healthy run takes 10-40 s on the (shared) 2-core machine
+
+# 386 demo pairs shard into 360 eligible train records and 16 val records (ties dropped): both
+# divisible by 2 ranks x 4, so every rank batch holds 4 examples and the mean of the ranks' mean
+# losses is the mean over the global batch (what the one-process reference computes).
+DEMO = ["data.demo.n_train=386", "data.demo.n_test=20", "data.demo.n_bench=4"]
+TRAIN_RECORDS, RANK_BATCH = 360, 4
+SMALL = [*DEMO, "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2",
+         "model.arch.intermediate_size=64", "model.vocab_size=300",
+         "trainer.enable_progress_bar=false", "evaluate=false", "trainer.log_every_n_steps=1",
+         "early_stopping_patience=0", "stream.num_workers=0", "torch_threads=1",
+         # A constant learning rate: the schedule does not depend on max_steps, so a run resumed
+         # with a larger max_steps retraces an uninterrupted one.
+         "optim.warmup_steps=0", "optim.min_lr_ratio=1.0"]
+FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+        "parallel.param_dtype=float32", "micro_batch_size=4", "global_batch_size=8"]
+DDP = ["trainer=ddp", "micro_batch_size=4", "global_batch_size=8"]
+# The shared 30-step runs: validation every 3 steps (val/loss at 3, 6, ..., 30), checkpoints every 5.
+CURVE = ["trainer.max_steps=30", "val_every_n_steps=3", "save_every_n_steps=5"]
+
+LOSS_ATOL = 2e-5  # fp32, 30 steps at lr 3e-3: FSDP vs DDP vs one process (measured <= 1e-5)
+LOGIT_ATOL = 3e-5  # their exported models' logits (measured <= 7e-6)
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+def run_env(root: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env.update(CRM_ROOT=str(root), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.update(extra)
+    return env
+
+
+def slurm_env(root: Path, job_id: str, rank: int, ntasks: int, port: int, path_prefix=None) -> dict:
+    """One srun task of a job with `ntasks` nodes x 1 task (docs/DESIGN.md section 10), all on loopback."""
+    env = run_env(root, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="crm-test", SLURM_NTASKS=str(ntasks),
+                  SLURM_NTASKS_PER_NODE="1", SLURM_NNODES=str(ntasks), SLURM_NODELIST="127.0.0.1",
+                  SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_LOCALID="0",
+                  MASTER_PORT=str(port))
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}{os.pathsep}{env['PATH']}"
+    return env
+
+
+class Proc:
+    """A process in its own session (its Lightning-launched rank 1 too), output in a log file."""
+
+    def __init__(self, cmd: list[str], env: dict, log: Path):
+        self.cmd, self.log = cmd, log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            self.popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def signal(self, signum: int, group: bool = False) -> None:
+        (os.killpg if group else os.kill)(self.popen.pid, signum)
+
+    def wait(self, timeout: float = RUN_TIMEOUT) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(self.cmd)}\n"
+                                 f"{self.output()[-3000:]}") from None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)  # the session's group: rank 1 as well
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+    def assert_ok(self, timeout: float = RUN_TIMEOUT) -> None:
+        rc = self.wait(timeout)
+        assert rc == 0, f"exit {rc}: {' '.join(self.cmd)}\n{self.output()[-4000:]}"
+
+
+@contextmanager
+def cleanup(*procs: Proc):
+    """Kills whatever is still running when the block exits (a failed assertion included)."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()  # its process group: a rank 1 left behind by a failed rank 0 too
+
+
+def crm_train_cmd(*overrides: str, script: Path | None = None) -> list[str]:
+    prefix = [sys.executable, str(script)] if script else [str(BIN / "crm-train")]
+    return [*prefix, *SMALL, *overrides]
+
+
+def train(root: Path, name: str, *overrides: str, script: Path | None = None) -> Path:
+    """Runs crm-train (or `script` with crm-train's arguments) to the end; the run dir."""
+    proc = Proc(crm_train_cmd(f"name={name}", *overrides, script=script), run_env(root),
+                root / "logs" / f"{name}.log")
+    with cleanup(proc):
+        proc.assert_ok()
+    return root / "outputs" / name
+
+
+def wait_for(predicate, procs: tuple[Proc, ...], timeout: float, what: str, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for p in procs:
+            if p.popen.poll() is not None:
+                raise AssertionError(f"exited ({p.popen.returncode}) before {what}:\n"
+                                     f"{p.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout} s:\n{procs[0].output()[-3000:]}")
+        time.sleep(interval)
+
+
+# -- run outputs ----------------------------------------------------------------------------------
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def logged(run_dir: Path, metric: str) -> list[tuple[int, float]]:
+    """(optimizer step, value) of every row of csv/metrics.csv that holds `metric`, in file order
+    (a resumed run appends to the file)."""
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        # Lightning logs step k's train/val metrics at global_step k - 1.
+        return [(int(row["step"]) + 1, float(row[metric])) for row in csv.DictReader(f)
+                if row.get(metric)]
+
+
+def curves(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """({optimizer step: train/loss}, {optimizer step: val/loss}); a step logged twice (run again
+    after a crash) keeps its later value."""
+    return dict(logged(run_dir, "train/loss")), dict(logged(run_dir, "val/loss"))
+
+
+def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(abs(a[k] - b[k]) for k in a)
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """A checkpoint's non-tensor state: the file itself, or a sharded dir's meta.pt."""
+    path = Path(path)
+    file = path / SHARDED_META if path.is_dir() else path
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def stream_state(checkpoint: dict) -> dict:
+    (state,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    return state
+
+
+def batches_consumed(state: dict, world: int) -> int:
+    """Micro batches the train stream handed out, epochs included (an epoch is K per rank)."""
+    per_epoch = -(-TRAIN_RECORDS // (world * RANK_BATCH))
+    return state["epoch"] * per_epoch + state["batches_done"]
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """CRM_ROOT of every run here: the demo data generated once into its .cache."""
+    root = tmp_path_factory.mktemp("crm_dist")
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        cfg = compose("train", overrides=[*DEMO, f"paths.root_dir={root}"])
+    manifest = load_manifest(prepare_demo(cfg.data.path, **cfg.data.demo))
+    eligible = {split: sum(s.eligible(keep_ties=False) for s in manifest.shards(split))
+                for split in ("train", "val")}
+    assert eligible == {"train": TRAIN_RECORDS, "val": 16}, eligible  # see DEMO
+    return root
+
+
+class SharedRuns:
+    """The 30-step runs several tests compare, each run on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    @cached_property
+    def fsdp(self) -> Path:
+        return train(self.root, "fsdp", *FSDP, *CURVE)
+
+    @cached_property
+    def ddp(self) -> Path:
+        return train(self.root, "ddp", *DDP, *CURVE)
+
+    @cached_property
+    def reference(self) -> Path:
+        """One process; step k trains on rank 0's + rank 1's batch k of the 2-rank runs."""
+        return train(self.root, "reference", "micro_batch_size=8", "global_batch_size=8", *CURVE,
+                     script=REFERENCE)
+
+
+@pytest.fixture(scope="module")
+def runs(root) -> SharedRuns:
+    return SharedRuns(root)
+
+
+# -- 1. sharding ----------------------------------------------------------------------------------
+
+@slow
+def test_fsdp_shards_parameters_and_optimizer_states(runs):
+    fsdp, ddp, single = (metrics(r)["train"] for r in (runs.fsdp, runs.ddp, runs.reference))
+    assert fsdp["world_size"] == ddp["world_size"] == 2 and single["world_size"] == 1
+    (full,) = single["per_rank_memory"]
+    assert full["param_bytes"] > 0 and full["optimizer_bytes"] >= 2 * full["param_bytes"]  # AdamW
+    assert [r["rank"] for r in fsdp["per_rank_memory"]] == [0, 1]
+    for rank in fsdp["per_rank_memory"]:
+        for kind in ("param_bytes", "optimizer_bytes"):
+            ratio = rank[kind] / full[kind]
+            print(f"FSDP rank {rank['rank']} {kind}: {rank[kind]} / {full[kind]} = {ratio:.4f}")
+            assert 0.45 <= ratio <= 0.55, (rank, full)
+    for rank in ddp["per_rank_memory"]:  # DDP replicates: every rank holds everything
+        assert (rank["param_bytes"], rank["optimizer_bytes"]) == (full["param_bytes"],
+                                                                  full["optimizer_bytes"])
+
+
+# -- 2. loss curves -------------------------------------------------------------------------------
+
+@slow
+def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
+    (f_train, f_val), (d_train, d_val), (r_train, r_val) = (
+        curves(r) for r in (runs.fsdp, runs.ddp, runs.reference))
+    assert sorted(f_train) == list(range(1, 31)) and sorted(f_val) == list(range(3, 31, 3))
+    assert max(f_train.values()) - min(f_train.values()) > 0.1  # the model trains (the curve moves)
+    figures = {"fsdp-ddp train": max_diff(f_train, d_train), "fsdp-ddp val": max_diff(f_val, d_val),
+               "ddp-one train": max_diff(d_train, r_train), "ddp-one val": max_diff(d_val, r_val),
+               "fsdp-one train": max_diff(f_train, r_train), "fsdp-one val": max_diff(f_val, r_val)}
+    print("max |loss difference| over 30 steps:", {k: f"{v:.2e}" for k, v in figures.items()})
+    for name, diff in figures.items():
+        assert diff <= LOSS_ATOL, (name, diff)
+    # The first steps agree far more closely: differences are rounding, amplified by training.
+    assert max(abs(f_train[k] - r_train[k]) for k in range(1, 4)) <= 1e-6
+    # Every rank batch held 4 examples (none dropped by the length policy): equal rank weights.
+    dropped = logged(runs.fsdp, "data/dropped")
+    assert dropped and dropped[-1][1] == 0.0
+    # Same data: the runs saw the same number of records at every step.
+    for run in (runs.fsdp, runs.ddp):
+        state = stream_state(checkpoint_meta(run / "checkpoints" / "last.ckpt"))
+        assert batches_consumed(state, world=2) == 30
+
+
+# -- 2b. pretrained weights loaded into the shards ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_checkpoint(root) -> Path:
+    """A tiny Qwen3 base model (a causal LM: no classification head) with a tokenizer, as a user's
+    model.path holds one."""
+    from helpers import tiny_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024,
+        pad_token_id=tok.pad_token_id))
+    path = root / "base_checkpoint"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@slow
+def test_fsdp_from_a_pretrained_checkpoint_trains_as_one_process(root, base_checkpoint):
+    # Each FSDP rank reads its slices into its shards and draws the fresh head one process draws.
+    steps = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=1000",
+             f"model.path={base_checkpoint}"]
+    fsdp = train(root, "fsdp_pretrained", *FSDP, *steps)
+    reference = train(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8",
+                      *steps, script=REFERENCE)
+    (f_train, f_val), (r_train, r_val) = curves(fsdp), curves(reference)
+    assert sorted(f_train) == list(range(1, 7))
+    figures = {"train": max_diff(f_train, r_train), "val": max_diff(f_val, r_val)}
+    print("pretrained, FSDP vs one process: max |loss difference| over 6 steps:", figures)
+    assert max(figures.values()) <= LOSS_ATOL
+    assert abs(f_train[1] - r_train[1]) <= 1e-6  # the same initial weights
+    torch.testing.assert_close(export_logits(fsdp / "export"), export_logits(reference / "export"),
+                               atol=LOGIT_ATOL, rtol=0)
+
+
+# -- 3. sharded checkpoint resume -----------------------------------------------------------------
+
+@slow
+def test_sharded_checkpoint_resumes_where_the_uninterrupted_run_goes(root, runs):
+    # No validation: each run exports its final weights, gathered from the shards.
+    overrides = [*FSDP, "val_every_n_steps=1000", "save_every_n_steps=2"]
+    run_dir = train(root, "fsdp_resume", *overrides, "trainer.max_steps=4")
+    first = metrics(run_dir)["train"]
+    assert first["global_step"] == 4 and first["resumed_from"] is None
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and is_complete_checkpoint(last)  # sharded: one .distcp per rank
+    assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert stream_state(checkpoint_meta(last))["batches_done"] == 4
+    assert_export_holds(run_dir / "export", last)
+    first_train, _ = curves(run_dir)
+    full_train, _ = curves(runs.fsdp)
+    assert max(abs(first_train[k] - full_train[k]) for k in range(1, 5)) <= 1e-6
+
+    train(root, "fsdp_resume", *overrides, "trainer.max_steps=6")
+    second = metrics(run_dir)["train"]
+    assert second["resumed_from"] == str(last) and second["global_step"] == 6
+    resumed_train, _ = curves(run_dir)
+    assert sorted(resumed_train) == list(range(1, 7))  # the resumed run appended to the history
+    assert all(resumed_train[k] == first_train[k] for k in range(1, 5))
+    diffs = [abs(resumed_train[k] - full_train[k]) for k in (5, 6)]
+    print(f"resumed steps 5-6 vs uninterrupted: |train/loss diff| {diffs}")
+    assert max(diffs) <= 1e-6
+    assert stream_state(checkpoint_meta(last))["batches_done"] == 6
+    assert not list(last.parent.glob("*.partial")) and not list(last.parent.glob("*.old"))
+    assert_export_holds(run_dir / "export", last)  # the step-6 weights
+
+
+# -- 4. consolidated export -----------------------------------------------------------------------
+
+def assert_export_holds(export_dir: Path, checkpoint: Path | str) -> None:
+    """The export's weights are exactly the checkpoint's (a file, or a sharded dir consolidated)."""
+    from safetensors.torch import load_file
+
+    exported = load_file(export_dir / "model.safetensors")
+    loaded = load_checkpoint(checkpoint)
+    saved = model_weights(loaded)
+    assert json.loads((export_dir / "crm.json").read_text())["global_step"] == loaded["global_step"]
+    assert exported and set(exported) <= set(saved)
+    for key, tensor in exported.items():
+        torch.testing.assert_close(tensor, saved[key], rtol=0, atol=0, msg=key)
+
+
+def export_logits(export_dir: Path) -> torch.Tensor:
+    """Plain transformers on a padded batch of demo-like prompts."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(export_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
+    assert model.config.pad_token_id == tokenizer.pad_token_id is not None
+    texts = ["Criteria: answers concisely. Query: how do I boil an egg? A: nine minutes. B: no idea.",
+             "Criteria: is friendly. Query: hi? A: hello there, how can I help? B: what.",
+             "short"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return model.eval()(**batch).logits
+
+
+@slow
+def test_fsdp_checkpoints_export_consolidated_to_plain_transformers(runs, tmp_path):
+    from crm.models.checkpoint import export_checkpoint
+
+    # The run's own export (its best checkpoint, a sharded dir) against the other two runs'.
+    exports = {name: getattr(runs, name) / "export" for name in ("fsdp", "ddp", "reference")}
+    steps = {name: json.loads((d / "crm.json").read_text())["global_step"]
+             for name, d in exports.items()}
+    assert len(set(steps.values())) == 1, steps  # the same best step everywhere
+    assert_export_holds(exports["fsdp"], runs.fsdp / "checkpoints" / "best.ckpt")  # sharded
+    logits = {name: export_logits(d) for name, d in exports.items()}
+
+    # crm-export of the last (sharded) checkpoint: the CLI, consolidating without a process group.
+    out = tmp_path / "fsdp_last"
+    proc = subprocess.run([str(BIN / "crm-export"), str(runs.fsdp / "checkpoints" / "last.ckpt"),
+                           str(out)], env=run_env(tmp_path), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "crm.json").read_text())["global_step"] == 30
+    export_checkpoint(runs.reference / "checkpoints" / "last.ckpt", tmp_path / "reference_last")
+    export_checkpoint(runs.ddp / "checkpoints" / "last.ckpt", tmp_path / "ddp_last")
+    for name in ("fsdp_last", "reference_last", "ddp_last"):
+        logits[name] = export_logits(tmp_path / name)
+
+    assert logits["fsdp"].shape == (3, 2)
+    if steps["fsdp"] != 30:  # other weights give other logits: the comparisons below can fail
+        assert (logits["fsdp"] - logits["fsdp_last"]).abs().max() > 1e-4
+    figures = {pair: (logits[pair[0]] - logits[pair[1]]).abs().max().item() for pair in [
+        ("fsdp", "reference"), ("fsdp", "ddp"), ("ddp", "reference"),
+        ("fsdp_last", "reference_last"), ("fsdp_last", "ddp_last")]}
+    print("max |logit difference|:", {"-".join(k): f"{v:.2e}" for k, v in figures.items()})
+    for pair, diff in figures.items():
+        assert diff <= LOGIT_ATOL, (pair, diff)
+
+
+@slow
+def test_a_scorer_reads_an_fsdp_sharded_checkpoint_as_it_is(runs, root, tmp_path):
+    """CRMScorer straight from the shards (no export first), as from that checkpoint's export, and
+    as from the DDP run's single-file checkpoint of the same step."""
+    from crm.core.records import load_records
+    from crm.data.transforms import eval_example
+    from crm.inference.scorer import CRMScorer
+    from crm.models.checkpoint import export_checkpoint
+
+    sharded = runs.fsdp / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in sharded.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    test_file = root / ".cache" / "demo" / "raw" / "test" / "in_distribution.jsonl"
+    examples = [eval_example(r) for r in load_records(test_file, "test")[:16]]
+    cpu = {"device": torch.device("cpu"), "dtype": torch.float32}
+    probs = CRMScorer.load(sharded, **cpu).pair_probabilities(examples)
+    exported = export_checkpoint(sharded, tmp_path / "export")
+    torch.testing.assert_close(CRMScorer.load(exported, **cpu).pair_probabilities(examples), probs,
+                               rtol=0, atol=0)
+    ddp = CRMScorer.load(runs.ddp / "checkpoints" / "last.ckpt", **cpu).pair_probabilities(examples)
+    print(f"sharded vs DDP checkpoint: max |P difference| {(probs - ddp).abs().max().item():.2e}")
+    torch.testing.assert_close(ddp, probs, rtol=0, atol=LOGIT_ATOL)
+    assert probs[:, :2].sum(1).allclose(torch.ones(len(examples)))
+
+
+# -- 5. a simulated 2-node SLURM job --------------------------------------------------------------
+
+def slurm_job(root: Path, job_id: str, ntasks: int, *overrides: str, path_prefix=None,
+              tag: str = "") -> tuple[Proc, ...]:
+    port = free_port()
+    return tuple(Proc(crm_train_cmd(*overrides), slurm_env(root, job_id, rank, ntasks, port,
+                                                          path_prefix),
+                      root / "logs" / f"slurm-{job_id}{tag}-{rank}.log")
+                 for rank in range(ntasks))
+
+
+@slow
+def test_two_node_slurm_job_on_loopback(root):
+    job_id = "4242"
+    # No batch override: micro_batch_size=auto splits the default global batch over the 2 nodes.
+    procs = slurm_job(root, job_id, 2, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1",
+                      "trainer.num_nodes=2", "trainer.max_steps=3", "val_every_n_steps=3",
+                      "save_every_n_steps=3", "name=ignored")
+    with cleanup(*procs):
+        for p in procs:
+            p.assert_ok()
+    run_dir = root / "outputs" / job_id  # the job id names the run dir under SLURM
+    m = metrics(run_dir)["train"]
+    assert m["world_size"] == 2 and m["global_step"] == 3
+    assert m["micro_batch_size"] == 32 and m["accumulation"] == 1  # the default global batch: 64
+    assert len(m["per_rank_memory"]) == 2
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    assert not (root / "outputs" / "ignored").exists()
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and is_complete_checkpoint(last)  # sharded
+    assert stream_state(checkpoint_meta(last))["world"] == 2
+
+
+# -- 6. preemption --------------------------------------------------------------------------------
+
+def fake_scontrol(tmp_path: Path) -> tuple[Path, Path]:
+    """A bin dir whose `scontrol` appends its arguments to a file; (bin dir, that file)."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\n')
+    script.chmod(0o755)
+    return bin_dir, calls
+
+
+@slow
+@pytest.mark.parametrize("ntasks,signalled", [(1, [0]), (2, [1])],
+                         ids=["1-task", "2-task-one-signalled"])
+def test_preemption_saves_requeues_and_the_requeued_job_resumes(root, runs, tmp_path, ntasks,
+                                                               signalled):
+    bin_dir, calls = fake_scontrol(tmp_path)
+    job_id = f"77{ntasks}"
+    # One task: accumulation 2 (the position counts micro batches); two tasks: FSDP over 2 nodes.
+    if ntasks == 1:
+        setup = ["trainer=cpu", "micro_batch_size=4", "global_batch_size=8"]
+    else:
+        setup = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1",
+                 "trainer.num_nodes=2", "parallel.param_dtype=float32", "micro_batch_size=4",
+                 "global_batch_size=8"]
+    accum = 8 // (4 * ntasks)
+    command = [*setup, "val_every_n_steps=1000", "save_every_n_steps=1000", "resume=auto"]
+    procs = slurm_job(root, job_id, ntasks, *command, "trainer.max_steps=200",
+                      path_prefix=bin_dir, tag="-first")
+    run_dir = root / "outputs" / job_id
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with cleanup(*procs):
+        # The model summary prints after every rank's setup (a barrier follows the callbacks'
+        # setup, where the handler is installed): from then on the signal is caught.
+        wait_for(lambda: "Trainable params" in procs[0].output(), procs, RUN_TIMEOUT,
+                 "model summary")
+        time.sleep(1.0)  # let a few steps run
+        for rank in signalled:
+            procs[rank].signal(signal.SIGUSR1)
+        for p in procs:
+            p.assert_ok()  # every rank stops, signalled or not
+    first = metrics(run_dir)
+    saved = first["train"]["global_step"]
+    print(f"{ntasks} task(s): preempted at step {saved} of 200")
+    assert first["preempted"] is True and 1 <= saved < 200
+    assert calls.read_text().splitlines() == [f"requeue {job_id}"]  # once, by rank 0
+    assert is_complete_checkpoint(last) and last.is_dir() == (ntasks == 2)
+    ckpt = checkpoint_meta(last)
+    assert ckpt["global_step"] == saved
+    # The stream position is the trained one: each record of the interrupted epoch once.
+    state = stream_state(ckpt)
+    assert batches_consumed(state, world=ntasks) == saved * accum, state
+    assert not (run_dir / "export").exists()  # the requeued job exports
+
+    # The requeued job: the same command and job id (save every step to see the final position).
+    procs = slurm_job(root, job_id, ntasks, *command, f"trainer.max_steps={saved + 3}",
+                      "save_every_n_steps=1", path_prefix=bin_dir, tag="-requeued")
+    with cleanup(*procs):
+        for p in procs:
+            p.assert_ok()
+    second = metrics(run_dir)
+    assert second["preempted"] is False
+    assert second["train"]["resumed_from"] == str(last)
+    assert second["train"]["global_step"] == saved + 3 and second["train"]["world_size"] == ntasks
+    assert batches_consumed(stream_state(checkpoint_meta(last)), world=ntasks) == (saved + 3) * accum
+    assert calls.read_text().splitlines() == [f"requeue {job_id}"]  # not requeued again
+    history = curves(run_dir)[0]
+    assert sorted(history) == list(range(1, saved + 4))  # one loss history
+    if ntasks == 2:  # 2 nodes x 1 process train exactly as the shared 2-process FSDP run
+        full = curves(runs.fsdp)[0]
+        diff = max(abs(history[k] - full[k]) for k in history if k in full)
+        print(f"preempted + requeued vs uninterrupted: max |train/loss diff| {diff:.2e}")
+        assert diff <= 1e-6
+    # The export holds the weights of the checkpoint it names (Lightning validates a run stopped
+    # through should_stop, so the preempted run left a best.ckpt).
+    source = json.loads((run_dir / "export" / "crm.json").read_text())["source"]
+    assert_export_holds(run_dir / "export", source)
+
+
+# -- 7. kill -9 and resume ------------------------------------------------------------------------
+
+def test_resume_auto_ignores_incomplete_sharded_checkpoints(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+
+    def sharded(name: str, complete: bool) -> Path:
+        d = ckpts / name
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x")
+        (d / ".metadata").write_bytes(b"x")
+        if complete:
+            (d / SHARDED_META).write_bytes(b"x")
+        return d
+
+    partial = sharded("last.ckpt.partial", complete=False)  # killed mid-save, nothing else
+    assert resolve_resume("auto", tmp_path) is None
+    last = sharded("last.ckpt", complete=True)
+    assert resolve_resume("auto", tmp_path) == str(last)
+    shutil.rmtree(last)
+    shutil.rmtree(partial)
+    # Killed between the swap's renames: the old one moved aside, the new complete one not yet in.
+    old = sharded("last.ckpt.old", complete=True)
+    partial = sharded("last.ckpt.partial", complete=True)
+    assert resolve_resume("auto", tmp_path) == str(partial)
+    (partial / SHARDED_META).unlink()
+    assert resolve_resume("auto", tmp_path) == str(old)
+    with pytest.raises(ConfigError, match="incomplete"):
+        resolve_resume(str(partial), tmp_path)
+
+
+def test_a_resumed_run_appends_to_the_csv_history(tmp_path):
+    from crm.training.loggers import ResumableCSVLogger
+
+    first = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    for step in range(3):
+        first.log_metrics({"train/loss": 1.0 + step}, step=step)
+    first.save()
+    resumed = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    resumed.log_metrics({"train/loss": 2.5}, step=2)  # run again after a crash
+    resumed.save()
+    resumed.log_metrics({"train/loss": 4.0, "val/loss": 5.0}, step=3)  # a new column
+    resumed.save()
+    assert logged(tmp_path, "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 2.5), (4, 4.0)]
+    assert logged(tmp_path, "val/loss") == [(4, 5.0)]
+    assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == ["metrics.csv"]
+
+
+@slow
+def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, runs):
+    name = "fsdp_killed"
+    run_dir = root / "outputs" / name
+    ckpts = run_dir / "checkpoints"
+    last, partial = ckpts / "last.ckpt", ckpts / "last.ckpt.partial"
+    proc = Proc(crm_train_cmd(f"name={name}", *FSDP, *CURVE), run_env(root),
+                root / "logs" / f"{name}-killed.log")
+    with cleanup(proc):
+        wait_for(lambda: is_complete_checkpoint(last), (proc,), RUN_TIMEOUT, "first last.ckpt")
+        # Then kill both ranks while the next checkpoint is being written (.partial exists).
+        wait_for(partial.exists, (proc,), RUN_TIMEOUT, "a second checkpoint save", interval=0.002)
+        proc.signal(signal.SIGKILL, group=True)
+        proc.wait()
+    assert proc.popen.returncode == -signal.SIGKILL
+    assert not (run_dir / "metrics.json").exists()
+    left = {p.name: is_complete_checkpoint(p) for p in ckpts.glob("last.ckpt*")}
+    # last.ckpt (or, killed between the swap's two renames, a complete .partial or .old)
+    expected = resolve_resume("auto", run_dir)
+    assert expected is not None, left
+    resume_step = checkpoint_meta(expected)["global_step"]
+    assert resume_step in (5, 10, 15, 20, 25), resume_step
+    killed_rows = len(logged(run_dir, "train/loss"))
+    assert killed_rows > resume_step  # the killed run had trained past its checkpoint
+
+    rerun = train(root, name, *FSDP, *CURVE)
+    m = metrics(rerun)["train"]
+    assert m["global_step"] == 30 and m["resumed_from"] == expected
+    assert checkpoint_meta(last)["global_step"] == 30  # rewritten by the rerun
+    assert batches_consumed(stream_state(checkpoint_meta(last)), world=2) == 30
+    assert not partial.exists() and not (ckpts / "last.ckpt.old").exists()
+    rerun_steps = [step for step, _ in logged(rerun, "train/loss")[killed_rows:]]
+    assert rerun_steps == list(range(resume_step + 1, 31))  # from the step after its checkpoint
+    # The whole curve (the killed run's steps, then the rerun's) is the uninterrupted run's.
+    resumed_train, resumed_val = curves(rerun)
+    full_train, full_val = curves(runs.fsdp)
+    train_diff, val_diff = max_diff(resumed_train, full_train), max_diff(resumed_val, full_val)
+    print(f"killed after {killed_rows} logged steps, mid-save (checkpoints left: {left}); resumed "
+          f"from step {resume_step}: max |train/loss diff| {train_diff:.2e}, "
+          f"|val/loss diff| at 30 {abs(resumed_val[30] - full_val[30]):.2e}")
+    assert train_diff <= 1e-6 and val_diff <= 1e-6

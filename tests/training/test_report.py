@@ -1,0 +1,110 @@
+"""crm-report on a hand-made multirun dir, and every experiment config (composes, one step)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from test_train import compose_train, run_train
+
+from crm.cli.report import main as report_main
+from crm.training.sweep_report import read_runs, table
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def fake_run(root: Path, num: int, overrides: list[str], eval_: dict, step: int, wall: float):
+    run = root / str(num)
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (run / "metrics.json").write_text(json.dumps(
+        {"train": {"global_step": step}, "eval": eval_, "wall_seconds": wall}))
+
+
+def metrics(acc: float, flip: float) -> dict:
+    return {"accuracy_mean": acc, "flip_rate": flip}
+
+
+@pytest.fixture
+def sweep(tmp_path) -> Path:
+    root = tmp_path / "multirun" / "ablation-loss"
+    fake_run(root, 0, ["experiment=cpu_loss", "loss=cls"],
+             {"/d/test/contradictory.jsonl": metrics(0.98, 0.02),
+              "/d/test/in_distribution.jsonl": metrics(0.99, 0.0)}, 700, 250.5)
+    fake_run(root, 1, ["experiment=cpu_loss", "loss=ranking"],
+             {"/d/test/contradictory.jsonl": metrics(0.9, 0.0),
+              "/d/test/in_distribution.jsonl": metrics(0.95, 0.0)}, 700, 301.0)
+    # Job 10 sorts after job 1 (numerically), and one run that failed has no metrics.json.
+    fake_run(root, 10, ["experiment=cpu_loss", "loss=ranking", "seed=1"],
+             {"/d/test/contradictory.jsonl": metrics(0.5, 0.1)}, 20, 9.0)
+    (root / "2" / ".hydra").mkdir(parents=True)
+    (root / "2" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["loss=cls", "seed=2"]))
+    return root
+
+
+def test_table_has_the_varied_axes_and_every_test_set(sweep):
+    runs, skipped = read_runs(sweep)
+    header, rows = table(runs)
+    assert header == ["loss", "seed", "acc/contradictory", "acc/in_distribution", "flip_rate",
+                      "steps", "wall_s"]
+    assert rows == [["cls", "", 0.98, 0.99, 0.01, 700, 250.5],
+                    ["ranking", "", 0.9, 0.95, 0.0, 700, 301.0],
+                    ["ranking", "1", 0.5, "", 0.1, 20, 9.0]]
+    assert len(skipped) == 1 and "no metrics.json" in skipped[0]
+
+
+def test_cli_writes_markdown_csv_and_plot(sweep, capsys):
+    assert report_main([str(sweep)]) == 0
+    assert (sweep / "report.md").read_text() == (
+        "| loss | seed | acc/contradictory | acc/in_distribution | flip_rate | steps | wall_s |\n"
+        "|---|---|---|---|---|---|---|\n"
+        "| cls |  | 0.9800 | 0.9900 | 0.0100 | 700 | 250.5000 |\n"
+        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 700 | 301.0000 |\n"
+        "| ranking | 1 | 0.5000 |  | 0.1000 | 20 | 9.0000 |\n")
+    assert (sweep / "report.csv").read_text().splitlines()[1] == "cls,,0.98,0.99,0.01,700,250.5"
+    assert (sweep / "report.png").stat().st_size > 5000
+    assert "3 runs" in capsys.readouterr().out
+
+
+def test_cli_on_a_dir_without_runs_fails_cleanly(tmp_path, capsys):
+    assert report_main([str(tmp_path)]) == 2
+    assert "no run" in capsys.readouterr().err
+
+
+def test_wandb_summary_run_offline(sweep, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    assert report_main([str(sweep), "--wandb", "--out", str(tmp_path / "rep")]) == 0
+    assert list((tmp_path / "rep" / "wandb").glob("offline-run-*"))
+
+
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+
+
+def test_every_ablation_has_a_gpu_and_a_cpu_experiment():
+    gpu = {e for e in EXPERIMENTS if not e.startswith("cpu_")}
+    assert gpu == {"size", "loss", "noise", "direction", "swap"}
+    assert {f"cpu_{e}" for e in gpu} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_sweeps_its_axis_and_runs_one_step(experiment, tmp_path,
+                                                                     demo_root):
+    from omegaconf import OmegaConf
+
+    cfg = compose_train([f"experiment={experiment}"], hydra_node=True)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params)
+    assert len(params) == 1 and len(next(iter(params.values())).split(",")) >= 2
+    assert cfg.name == f"ablation-{experiment}"
+    axis, values = next(iter(params.items()))
+    # One step of the first sweep point on a tiny model: the GPU experiments run on CPU here, with
+    # their activation checkpointing on.
+    overrides = [f"experiment={experiment}", f"{axis}={values.split(',')[0]}"]
+    if not experiment.startswith("cpu_"):
+        overrides += ["model=tiny", "trainer=cpu", "data=demo", "logger=none",
+                      "stream.num_workers=0", "global_batch_size=4", "stream.max_tokens=256"]
+    metrics = run_train(demo_root, tmp_path / "run", *overrides, "trainer.max_steps=1")
+    assert metrics["train"]["global_step"] == 1
