@@ -34,18 +34,19 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from crm.data.manifest import load_manifest
-from crm.data.reader import iter_shard
-from crm.data.stream import StreamConfig
-from crm.training.datamodule import CRMDataModule
-from crm.training.module import CRMModule, OptimConfig
-from crm.models.factory import build_crm
-from crm.models.tokenizer import train_bpe_tokenizer
+from crm.core.examples import LABEL_A
 from crm.core.prompts import PromptEncoder, PromptTemplate
 from crm.core.records import parse_train
-from crm.data.transforms import LABEL_A, TransformConfig, record_rng, train_example
 from crm.data.demo import write_demo
+from crm.data.manifest import load_manifest
+from crm.data.reader import iter_shard
 from crm.data.shard import shard
+from crm.data.stream import StreamConfig
+from crm.data.transforms import TransformConfig, record_rng, train_example
+from crm.models.factory import build_crm
+from crm.models.tokenizer import train_bpe_tokenizer
+from crm.training.datamodule import CRMDataModule
+from crm.training.module import CRMModule, OptimConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WARMUP_STEPS = 5

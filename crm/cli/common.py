@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from crm.core.errors import ConfigError
-from crm.training.parallel import DTYPES
+from crm.models.backbone import DTYPES
 
 
 def model_arch(model: DictConfig, vocab_size: int | None) -> str | dict:

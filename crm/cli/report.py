@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from crm.training.sweep_report import read_runs, write_report
+from crm.training.sweeps import read_runs, write_report
 
 
 def log_to_wandb(sweep_dir: Path, report: dict, project: str | None, group: str | None) -> str:

@@ -27,18 +27,18 @@ from crm.data.stream import StreamConfig
 from crm.data.transforms import TransformConfig
 from crm.evaluation.accuracy import evaluate_files
 from crm.inference.scorer import CRMScorer
-from crm.models.checkpoint import resolve_resume
+from crm.models.backbone import DTYPES
 from crm.models.factory import build_crm
 from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training.callbacks import CheckpointCard, ExportBest, ShardingReport
 from crm.training.datamodule import CRMDataModule
 from crm.training.loggers import make_logger
 from crm.training.module import CRMModule, OptimConfig
-from crm.training.parallel import DTYPES, ParallelConfig
+from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
-from crm.training.sweep_report import parse_overrides
+from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
-from crm.training.trainer import batch_plan, make_trainer, world_size
+from crm.training.trainer import batch_plan, make_trainer, resolve_resume, world_size
 
 
 def train(cfg: DictConfig) -> dict | None:

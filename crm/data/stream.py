@@ -26,14 +26,14 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from crm.data.manifest import ShardInfo
-from crm.data.epoch_plan import RankPlan, plan_rank
-from crm.data.reader import ShardError, iter_shard_raw, load_member
-from crm.data.padding import pad_rows
+from crm.core.examples import LABEL_A, PairExample
 from crm.core.prompts import PromptEncoder, PromptTemplate
 from crm.core.records import RecordError, TrainRecord, parse_train
-from crm.data.transforms import (LABEL_A, CriteriaPool, PairExample, TransformConfig, check_one_sided,
-                            record_rng, train_example)
+from crm.data.epoch_plan import RankPlan, plan_rank
+from crm.data.manifest import ShardInfo
+from crm.data.padding import pad_rows
+from crm.data.reader import ShardError, iter_shard_raw, load_member
+from crm.data.transforms import CriteriaPool, TransformConfig, check_one_sided, record_rng, train_example
 
 MODES = ("pairwise", "pointwise")
 

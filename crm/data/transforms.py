@@ -9,15 +9,13 @@ import hashlib
 import random
 from dataclasses import dataclass, replace
 
-from crm.core.records import Conversation, TestRecord, TrainRecord
+from crm.core.examples import LABEL_TIE, LABELS, PairExample, after_query, swap
+from crm.core.records import TrainRecord
 
 DIRECTIONS = ("original", "reverse", "random")
 NOISES = ("none", "add", "remove", "replace", "random")
 TIE_POLICIES = ("drop", "keep")
 ARITHMETICS = ("fixed", "reference")
-
-LABEL_A, LABEL_B, LABEL_TIE = 0, 1, 2
-LABELS = {"model_a": LABEL_A, "model_b": LABEL_B, "tie": LABEL_TIE}
 
 
 @dataclass(frozen=True)
@@ -53,19 +51,6 @@ class TransformConfig:
         if index < self.warmup_batches:
             return replace(self, direction=self.warmup_direction, warmup_batches=0)
         return self
-
-
-@dataclass(frozen=True)
-class PairExample:
-    """What the model sees: criteria, a query and two conversations (after the query); the label."""
-
-    key: str
-    criteria: tuple[str, ...]
-    query: str
-    conv_a: Conversation
-    conv_b: Conversation
-    label: int  # LABEL_A, LABEL_B or LABEL_TIE
-    topic: str | None = None
 
 
 @dataclass(frozen=True)
@@ -161,10 +146,6 @@ def apply_noise(criteria: list[str], rejected: list[str] | None, rejected_topics
     raise ValueError(f"unknown noise {noise!r}")
 
 
-def _after_query(conversation: Conversation) -> Conversation:
-    return conversation[1:]
-
-
 def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: random.Random,
                   pool: CriteriaPool | None = None) -> PairExample:
     """Direction, noise and swap for one training record; every draw comes from `rng`."""
@@ -189,21 +170,6 @@ def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: rand
     # One-sided: the loser's criteria are unknown, so noise bans no topic and replaces from the pool.
     rejected, rejected_topics = (None, ()) if record.one_sided else (list(rejected), rejected_topics)
     criteria = apply_noise(list(chosen), rejected, rejected_topics, cfg.noise, pool, rng, cfg.arithmetic)
-    example = PairExample(key, tuple(criteria), record.query, _after_query(record.model_a),
-                          _after_query(record.model_b), label, record.topic)
+    example = PairExample(key, tuple(criteria), record.query, after_query(record.model_a),
+                          after_query(record.model_b), label, record.topic)
     return swap(example) if rng.random() < cfg.swap_prob else example
-
-
-def swap(example: PairExample) -> PairExample:
-    label = {LABEL_A: LABEL_B, LABEL_B: LABEL_A}.get(example.label, example.label)
-    return PairExample(example.key, example.criteria, example.query, example.conv_b, example.conv_a,
-                       label, example.topic)
-
-
-def eval_example(record: TestRecord, swapped: bool = False) -> PairExample:
-    """A test record as the model sees it; `swapped=True` gives the B/A order."""
-    # The query comes from the conversation, as in training; `prompt` is the file's own copy of it.
-    example = PairExample(record.idx, record.criteria, record.model_a[0].content,
-                          _after_query(record.model_a),
-                          _after_query(record.model_b), LABELS[record.preference], record.topic)
-    return swap(example) if swapped else example

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, eval_example
 from crm.core.records import TestRecord, load_records
-from crm.data.transforms import LABEL_A, LABEL_B, LABEL_TIE, eval_example
 from crm.inference.scorer import unswap
 
 VERDICT_NAMES = {LABEL_A: "model_a", LABEL_B: "model_b", LABEL_TIE: "tie", None: "score_tie"}

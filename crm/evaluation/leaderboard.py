@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from crm.core.examples import LABEL_A, LABEL_B, PairExample
 from crm.core.records import BenchRecord, RecordError, read_lines
-from crm.data.transforms import LABEL_A, LABEL_B, PairExample
 from crm.evaluation.accuracy import verdict
 
 # The criteria-blind setting: what the reference leaderboard used for its crowd ranking. A CRM

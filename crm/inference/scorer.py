@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from crm.core.examples import PairExample, swap
 from crm.core.prompts import PromptEncoder, PromptTemplate
 from crm.core.records import Conversation, Message
 from crm.data.padding import pad_rows
-from crm.data.transforms import PairExample, swap
 from crm.inference.prefix_reuse import prefix_logits
 from crm.models.export import META, load_export
 from crm.models.heads import last_token_logits

@@ -17,14 +17,20 @@ from typing import NamedTuple
 
 import torch
 
-from crm.core.errors import ConfigError
 from crm.core.prompts import PromptTemplate
-from crm.training.parallel import SHARDED_META, is_complete_checkpoint
 
 log = logging.getLogger(__name__)
 PREFIX = "crm.model."  # where the LightningModule keeps the HF model's weights
 CARD = "crm_card"
 CARD_VERSION = 1
+SHARDED_META = "meta.pt"  # Lightning writes it last into a sharded checkpoint dir
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """A single-file checkpoint (Lightning writes those atomically) or a finished sharded dir."""
+    path = Path(path)
+    return path.is_file() or (path.is_dir() and (path / SHARDED_META).is_file()
+                              and (path / ".metadata").is_file())
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -118,26 +124,3 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
                       max_tokens=crm.max_tokens,
                       extra={"source": str(path), "global_step": checkpoint["global_step"],
                              "config": checkpoint.get("crm_config")})
-
-
-def resolve_resume(resume, run_dir: Path) -> str | None:
-    """auto: this run dir's last checkpoint if a complete one exists; a path: that; false: none.
-
-    A sharded checkpoint is swapped into place only when complete (crm.training.parallel.FSDPStrategy); a
-    job killed between the swap's two renames leaves the complete `.partial` or `.old` copy.
-    """
-    if resume in (None, False, "false", "False"):
-        return None
-    if resume == "auto":
-        last = Path(run_dir) / "checkpoints" / "last.ckpt"
-        for candidate in (last, last.with_name("last.ckpt.partial"), last.with_name("last.ckpt.old")):
-            if is_complete_checkpoint(candidate):
-                log.info("resuming from %s", candidate)
-                return str(candidate)
-            if candidate.exists():
-                log.warning("ignoring the incomplete checkpoint %s", candidate)
-        return None
-    if not is_complete_checkpoint(resume):
-        raise ConfigError(f"resume={resume}: no such checkpoint, or an incomplete one")
-    return str(resume)
-

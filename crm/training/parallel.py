@@ -14,13 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from crm.models.backbone import DTYPES
+
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHARDED_META = "meta.pt"  # Lightning writes it last into a sharded checkpoint dir
 
 
 @dataclass(frozen=True)
@@ -82,13 +81,6 @@ def build_sharded(build_crm: Callable[..., nn.Module], mesh, cfg: ParallelConfig
         crm.to_empty(device=mesh.device_type)  # this rank's shards, on its current device
         load_pretrained(crm.model, pretrained)
     return crm
-
-
-def is_complete_checkpoint(path: str | Path) -> bool:
-    """A single-file checkpoint (Lightning writes those atomically) or a finished sharded dir."""
-    path = Path(path)
-    return path.is_file() or (path.is_dir() and (path / SHARDED_META).is_file()
-                              and (path / ".metadata").is_file())
 
 
 class FSDPStrategy(ModelParallelStrategy):

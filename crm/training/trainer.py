@@ -5,6 +5,7 @@ FSDP2 (crm.training.parallel).
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -12,7 +13,10 @@ import torch
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from crm.core.errors import ConfigError
+from crm.models.checkpoint import is_complete_checkpoint
 from crm.training.parallel import fsdp_strategy
+
+log = logging.getLogger(__name__)
 
 
 def world_size(trainer: dict) -> int:
@@ -65,3 +69,26 @@ def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, ca
     return L.Trainer(**kwargs, accumulate_grad_batches=accumulation, callbacks=callbacks,
                      logger=logger, val_check_interval=val_every_n_steps * accumulation,
                      check_val_every_n_epoch=None, default_root_dir=str(run_dir))
+
+
+def resolve_resume(resume, run_dir: Path) -> str | None:
+    """auto: this run dir's last checkpoint if a complete one exists; a path: that; false: none.
+
+    A sharded checkpoint is swapped into place only when complete (crm.training.parallel.FSDPStrategy); a
+    job killed between the swap's two renames leaves the complete `.partial` or `.old` copy.
+    """
+    if resume in (None, False, "false", "False"):
+        return None
+    if resume == "auto":
+        last = Path(run_dir) / "checkpoints" / "last.ckpt"
+        for candidate in (last, last.with_name("last.ckpt.partial"), last.with_name("last.ckpt.old")):
+            if is_complete_checkpoint(candidate):
+                log.info("resuming from %s", candidate)
+                return str(candidate)
+            if candidate.exists():
+                log.warning("ignoring the incomplete checkpoint %s", candidate)
+        return None
+    if not is_complete_checkpoint(resume):
+        raise ConfigError(f"resume={resume}: no such checkpoint, or an incomplete one")
+    return str(resume)
+

@@ -23,8 +23,8 @@ from crm.data.reader import ShardError, iter_shard
 from crm.data.stream import PairStream, StreamConfig, StreamLoader
 from crm.core.prompts import PromptEncoder
 from crm.core.records import parse_train
-from crm.data.transforms import (LABEL_A, LABEL_B, LABEL_TIE, LABELS, TransformConfig, record_rng,
-                                 train_example)
+from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, LABELS
+from crm.data.transforms import TransformConfig, record_rng, train_example
 from crm.data.shard import shard
 from helpers import make_records, split_sizes, tiny_tokenizer, train_dict, write_shard_dir, write_tar
 

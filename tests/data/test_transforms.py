@@ -11,20 +11,10 @@ from collections import Counter
 
 import pytest
 
+from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, eval_example, swap
 from crm.core.records import NO_TOPIC, parse_test, parse_train
-from crm.data.transforms import (
-    LABEL_A,
-    LABEL_B,
-    LABEL_TIE,
-    CriteriaPool,
-    TransformConfig,
-    apply_noise,
-    check_one_sided,
-    eval_example,
-    record_rng,
-    swap,
-    train_example,
-)
+from crm.data.transforms import (CriteriaPool, TransformConfig, apply_noise, check_one_sided, record_rng,
+                                 train_example)
 
 QUERY = "Plan a weekend in Lisbon"
 LABEL_OF_SIDE = {"model_a": LABEL_A, "model_b": LABEL_B}

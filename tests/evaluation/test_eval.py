@@ -11,7 +11,7 @@ from scorers import export_tiny, run_cli, tiny_scorer
 
 from crm.cli.eval import evaluate, summary
 from crm.core.records import load_records
-from crm.data.transforms import LABEL_A, LABEL_B, LABEL_TIE
+from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE
 from crm.evaluation.accuracy import accuracy_metrics, evaluate_files, evaluate_records, verdict
 
 NAN = float("nan")

@@ -18,7 +18,7 @@ from crm.evaluation.leaderboard import (DEFAULT_CRITERIA, LOSS, TIE, WIN, Bootst
                              bootstrap_intervals, judge, kendall_tau, leaderboard,
                              rank_upper_bounds, select, win_rates)
 from crm.evaluation.render import interval, markdown, plot
-from crm.data.transforms import LABEL_B
+from crm.core.examples import LABEL_B
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

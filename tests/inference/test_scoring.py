@@ -8,7 +8,7 @@ from scorers import tiny_scorer
 from crm.models.export import export_crm
 from crm.core.records import Message
 from crm.inference.scorer import CRMScorer, Preference
-from crm.data.transforms import PairExample, swap
+from crm.core.examples import PairExample, swap
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

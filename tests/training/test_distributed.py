@@ -30,8 +30,8 @@ from hydra import compose, initialize_config_module
 from crm.core.errors import ConfigError
 from crm.data.demo import prepare_demo
 from crm.data.manifest import load_manifest
-from crm.models.checkpoint import load_checkpoint, model_weights, resolve_resume
-from crm.training.parallel import SHARDED_META, is_complete_checkpoint
+from crm.models.checkpoint import SHARDED_META, is_complete_checkpoint, load_checkpoint, model_weights
+from crm.training.trainer import resolve_resume
 
 # The subprocess tests are marked slow (15 runs, about 6 minutes on the busy 2-core machine):
 # `make test` runs them too, `-m 'not slow'` leaves them out.
@@ -428,7 +428,7 @@ def test_a_scorer_reads_an_fsdp_sharded_checkpoint_as_it_is(runs, root, tmp_path
     """CRMScorer straight from the shards (no export first), as from that checkpoint's export, and
     as from the DDP run's single-file checkpoint of the same step."""
     from crm.core.records import load_records
-    from crm.data.transforms import eval_example
+    from crm.core.examples import eval_example
     from crm.inference.scorer import CRMScorer
     from crm.models.checkpoint import export_checkpoint
 

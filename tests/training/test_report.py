@@ -9,7 +9,7 @@ import yaml
 from test_train import compose_train, run_train
 
 from crm.cli.report import main as report_main
-from crm.training.sweep_report import read_runs, table
+from crm.training.sweeps import read_runs, table
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

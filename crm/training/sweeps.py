@@ -1,5 +1,7 @@
-"""One table across a Hydra multirun: the varied axes, each test set's accuracy, flip rate, steps,
-wall time. Reads each run's `.hydra/overrides.yaml` and `metrics.json`; nothing else.
+"""Sweeps (Hydra multiruns): a job's axes are its overrides (`parse_overrides`: what crm-train tags
+a sweep's runs with), and one table across a sweep's runs: the varied axes, each test set's
+accuracy, flip rate, steps, wall time. The table reads each run's `.hydra/overrides.yaml` and
+`metrics.json`; nothing else.
 """
 from __future__ import annotations
 
