@@ -33,7 +33,7 @@ def load_scorer(cfg: DictConfig):
     device = None if cfg.device == "auto" else torch.device(cfg.device)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     return CRMScorer.load(cfg.checkpoint, batch_size=cfg.batch_size, device=device, dtype=dtype,
-                          prefix_reuse=cfg.prefix_reuse, progress=cfg.progress)
+                          prefix_reuse=cfg.prefix_reuse, progress=cfg.progress, compile=cfg.compile)
 
 
 _MODEL = re.compile(r"^(\+{0,2})model(\.path)?=")

@@ -3,6 +3,8 @@
 config groups into the library's arguments."""
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 import time
@@ -27,6 +29,7 @@ from crm.data.stream import StreamConfig
 from crm.data.transforms import TransformConfig
 from crm.evaluation.accuracy import evaluate_files
 from crm.inference.scorer import CRMScorer
+from crm.models import compile as compiling
 from crm.models.backbone import DTYPES
 from crm.models.factory import build_crm
 from crm.models.tokenizer import load_or_train_tokenizer
@@ -38,14 +41,22 @@ from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
-from crm.training.trainer import batch_plan, make_trainer, resolve_resume, world_size
+from crm.training.trainer import batch_plan, device_type, make_trainer, resolve_resume, world_size
+
+log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig) -> dict | None:
     """The run; its metrics on global rank 0, None on the other ranks."""
     started = time.time()
+    # Rows of varying length fragment CUDA's caching allocator; expandable segments let freed blocks
+    # grow into the next batch's sizes (an H100 at 0.6B reserved 55.8 GiB instead of 70, at the same
+    # speed: docs/PERFORMANCE.md section 4). Read when CUDA first allocates, so set before anything.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_config(cfg)
+    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
+    compile = compile_layers(cfg, trainer_args)
     L.seed_everything(cfg.seed, workers=True)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -55,7 +66,6 @@ def train(cfg: DictConfig) -> dict | None:
     tokenizer = load_or_train_tokenizer(
         cfg.model.tokenizer or cfg.model.path, run_dir / "tokenizer", vocab_size=cfg.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), template))
-    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     micro_batch, accum = batch_plan(cfg.global_batch_size, cfg.micro_batch_size,
                                     world_size(trainer_args), cfg.max_micro_batch_size)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream_config(cfg, template, micro_batch),
@@ -63,7 +73,7 @@ def train(cfg: DictConfig) -> dict | None:
     run_config = OmegaConf.to_container(cfg, resolve=True)
     module = CRMModule(partial(build_crm, cfg.loss.kind, **crm_kwargs(cfg, tokenizer, datamodule)),
                        OptimConfig(**cfg.optim), ParallelConfig(**cfg.parallel),
-                       run_config=run_config)
+                       run_config=run_config, compile=compile)
     sweep = sweep_info(cfg)
     logger = make_logger(OmegaConf.to_container(cfg.logger), run_dir, cfg.name, sweep)
     if logger:
@@ -116,6 +126,23 @@ def check_config(cfg: DictConfig) -> None:
     if not cfg.data.demo and not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
                           "`crm-data shard FILE.jsonl DIR`)")
+
+
+def compile_layers(cfg: DictConfig, trainer_args: dict) -> bool:
+    """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
+    where inductor can; compile=true where it cannot is refused at start)."""
+    device = device_type(trainer_args)
+    try:
+        wanted = compiling.resolve(cfg.compile, device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    reason = compiling.why_not_compilable(device) if wanted else None
+    if reason and cfg.compile is True:
+        raise ConfigError(f"compile=true on {device}: {reason}; set compile=false (or auto)")
+    if reason:
+        log.warning("compile=auto: decoder layers stay eager on %s: %s", device, reason)
+        return False
+    return wanted
 
 
 def prompt_template(cfg: DictConfig) -> PromptTemplate:
@@ -174,6 +201,10 @@ def run_callbacks(cfg: DictConfig, run_dir: Path, tokenizer, template: PromptTem
     if cfg.perf.log_every_n_steps:
         peak = None if cfg.perf.peak_tflops is None else cfg.perf.peak_tflops * 1e12
         callbacks["throughput"] = Throughput(cfg.perf.log_every_n_steps, gpu=cfg.perf.gpu, peak_flops=peak)
+    if cfg.trainer.enable_progress_bar and device_type(OmegaConf.to_container(cfg.trainer)) == "cuda":
+        # The bar reads the logged loss as a number: each refresh makes the host wait for the GPU.
+        callbacks["progress"] = L.pytorch.callbacks.TQDMProgressBar(
+            refresh_rate=cfg.trainer.log_every_n_steps)
     if with_logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
         callbacks["lr"] = L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")
     if cfg.early_stopping_patience:

@@ -9,6 +9,7 @@ import hashlib
 import random
 from dataclasses import dataclass, replace
 
+from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_TIE, LABELS, PairExample, after_query, swap
 from crm.core.records import TrainRecord
 
@@ -98,7 +99,7 @@ def check_one_sided(cfg: TransformConfig) -> None:
         directions.append(("warmup_direction", cfg.warmup_direction))
     for name, direction in directions:
         if direction != "original":
-            raise ValueError(
+            raise ConfigError(
                 f"transform {name}={direction!r} shows the losing side's criteria, but the data "
                 "holds README-format records (criteria + preference), which carry only the "
                 "preferred side's: train them with direction=original")

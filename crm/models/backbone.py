@@ -96,6 +96,12 @@ def build_classifier(*, num_labels: int, pad_token_id: int | None, path: str | N
     return model
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a Qwen3 sequence classifier: the unit of sharding, activation
+    checkpointing and compilation."""
+    return model.model.layers
+
+
 HEAD = "score.weight"  # Qwen3ForSequenceClassification's head; the backbone is `model.*`
 
 

@@ -7,7 +7,7 @@ import lightning as L
 
 from crm.data.manifest import load_manifest
 from crm.data.stream import PairStream, StreamConfig, StreamLoader
-from crm.data.transforms import TransformConfig
+from crm.data.transforms import TransformConfig, check_one_sided
 
 
 class _RestartingLoader(StreamLoader):
@@ -33,6 +33,8 @@ class CRMDataModule(L.LightningDataModule):
                  num_workers: int = 0, val_split: str = "val"):
         super().__init__()
         self.manifest = load_manifest(path)
+        if any(s.one_sided for shards in self.manifest.splits.values() for s in shards):
+            check_one_sided(transform)  # here, at start: the loaders are built inside fit
         self.tokenizer, self.stream, self.transform = tokenizer, stream, transform
         self.num_workers, self.val_split = num_workers, val_split
         self.train_loader: StreamLoader | None = None

@@ -6,6 +6,9 @@
     perf/samples_per_s         records per second, all ranks (a pointwise record is two rows)
     perf/mfu                   tokens/s x FLOPs per token / (peak per device x world size);
                                not logged when no peak is known (CPU, an unknown GPU)
+    perf/compiled_graphs       graphs torch.compile built in this process so far (decoder layers:
+    perf/graph_breaks          crm.models.compile), and graph breaks; logged when any was built,
+    perf/compile_seconds       with a warning once graphs pass crm.models.compile.RECOMPILE_WARNING
 
 FLOPs per token are crm.perf.flops' 6 N + 12 L H d S, with S the mean real row length of the window
 (real tokens / rows). A window runs from one logging point to the next, timed with
@@ -14,13 +17,17 @@ device and reduced once per logging point, so nothing synchronises at other step
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import lightning as L
 import torch
 
+from crm.models.compile import RECOMPILE_WARNING, compile_stats
 from crm.perf.flops import ModelShape, flops_per_token, mfu, peak_flops
+
+log = logging.getLogger(__name__)
 
 
 class Throughput(L.Callback):
@@ -44,6 +51,7 @@ class Throughput(L.Callback):
         self._paused = 0.0  # validation seconds inside the window
         self._val_start: float | None = None
         self._last_step = -1
+        self._warned_graphs = 0  # the graph count of the last recompile warning
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -105,6 +113,16 @@ class Throughput(L.Callback):
             "perf/samples_per_s": samples / elapsed,
             "perf/mfu": mfu(tokens_per_s, per_token, None if self.peak is None else self.peak * world),
         }
+        compiled = compile_stats()
+        if compiled["graphs"]:
+            figures.update({"perf/compiled_graphs": compiled["graphs"],
+                            "perf/graph_breaks": compiled["graph_breaks"],
+                            "perf/compile_seconds": compiled["seconds"]})
+            if compiled["graphs"] > max(RECOMPILE_WARNING, self._warned_graphs):
+                self._warned_graphs = compiled["graphs"]
+                log.warning("torch.compile has built %d graphs by step %d (expected at most %d): shapes "
+                            "vary in a way that recompiles; TORCH_LOGS=recompiles says why",
+                            compiled["graphs"], trainer.global_step, RECOMPILE_WARNING)
         self.last = {**figures, "step": trainer.global_step, "seconds": elapsed, "tokens": real,
                      "mean_row_tokens": seq_len, "flops_per_token": per_token, "world": world}
         if trainer.is_global_zero:

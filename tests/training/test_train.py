@@ -131,9 +131,12 @@ def test_world_size_and_accumulation_of_the_trainer_configs():
     assert world_size(compose_train(["trainer=cpu"]).trainer) == 1
     assert world_size(compose_train(["trainer=ddp"]).trainer) == 2
     assert world_size(compose_train(["trainer=ddp", "trainer.num_nodes=3"]).trainer) == 6
+    gpu = compose_train(["trainer=gpu"]).trainer
+    # the demo recipe on one GPU: the cpu group's steps
+    assert (world_size(gpu), gpu.max_steps) == (1, compose_train([]).trainer.max_steps)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device is visible"):
-            world_size(compose_train(["trainer=gpu"]).trainer)
+            world_size(compose_train(["trainer=fsdp"]).trainer)
     assert batch_plan(32, 4, 1, 64) == (4, 8)
     assert batch_plan(32, 8, 2, 64) == (8, 2)
     with pytest.raises(ConfigError, match="not a multiple of micro_batch_size=8 x 3 ranks"):
