@@ -43,7 +43,7 @@ from crm.data.reader import iter_shard
 from crm.data.shard import shard
 from crm.data.stream import StreamConfig
 from crm.data.transforms import TransformConfig, record_rng, train_example
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.training.datamodule import CRMDataModule
 from crm.training.module import CRMModule, OptimConfig
@@ -74,10 +74,11 @@ class StepTimer(L.Callback):
 def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args) -> dict:
     torch.manual_seed(0)
     transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
-    stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens)
-    data = CRMDataModule(manifest_dir, tokenizer, stream, transform, num_workers=args.num_workers)
-    make = lambda: build_crm(kind, num_labels=2, pad_token_id=tokenizer.pad_token_id,  # noqa: E731
-                             arch=arch, attention="sdpa")
+    stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens,
+                          num_workers=args.num_workers)
+    data = CRMDataModule(manifest_dir, tokenizer, stream, transform)
+    make = lambda: build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig(kind),  # noqa: E731
+                             num_labels=2, pad_token_id=tokenizer.pad_token_id)
     module = CRMModule(make, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0))
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
@@ -124,8 +125,8 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
                 self.end = time.perf_counter()
 
     torch.manual_seed(0)
-    model = build_crm("pointwise", num_labels=1, pad_token_id=tokenizer.pad_token_id, arch=arch,
-                      attention="sdpa").model
+    model = build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig("pointwise"), num_labels=1,
+                      pad_token_id=tokenizer.pad_token_id).model
     config = RewardConfig(output_dir=out_dir, per_device_train_batch_size=args.batch_size,
                           max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant",
                           weight_decay=0.0, use_cpu=True, report_to="none", save_strategy="no",

@@ -23,11 +23,12 @@ def demo_root(tmp_path_factory) -> Path:
     """A paths.root_dir whose cache holds the (small) demo data, generated once per session."""
     from hydra import compose, initialize_config_module
 
-    from crm.data.demo import prepare_demo
+    import crm.cli.train  # noqa: F401  (registers train.yaml's schema)
+    from crm.data.demo import DemoConfig, prepare_demo
 
     root = tmp_path_factory.mktemp("crm_root")
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=[*TINY_DEMO, f"paths.root_dir={root}"])
-    shard_dir = prepare_demo(cfg.data.path, **cfg.data.demo)
+    shard_dir = prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))
     assert (shard_dir / "manifest.json").is_file()
     return root

@@ -8,19 +8,51 @@ their assumptions are in crm/perf/flops.py and crm/perf/memory.py.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import model_arch
+from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
 from crm.core.files import write_json
+from crm.models.factory import ModelConfig
 from crm.perf.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
 from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
 
 
-def model_shape(model: DictConfig, kind: str) -> ModelShape:
+@dataclass
+class ClusterShape:
+    num_nodes: int = MISSING
+    devices: int = MISSING
+
+
+@dataclass
+class PlanConfig:
+    """configs/plan.yaml's keys and their types."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    trainer: ClusterShape = MISSING
+    seq_len: int = MISSING
+    micro_batch_size: int = MISSING
+    precision: str = MISSING
+    activation_checkpointing: bool = MISSING
+    gpu_memory_gib: float = MISSING
+    headroom_fraction: float = MISSING
+    reserved_gib: float = MISSING
+    gpu: str = MISSING
+    peak_tflops: float | None = MISSING
+    mfu: float = MISSING
+    kind: str = MISSING
+
+
+register_schema("plan", PlanConfig)
+
+
+def model_shape(model: ModelConfig, kind: str) -> ModelShape:
     """The shape of the model group's classifier: from model.path's config.json, else model.arch."""
     from crm.models.backbone import build_classifier
 
@@ -31,11 +63,11 @@ def model_shape(model: DictConfig, kind: str) -> ModelShape:
         config = AutoConfig.from_pretrained(model.path, num_labels=num_labels, local_files_only=True)
         return ModelShape.from_config(config)
     return ModelShape.from_model(build_classifier(
-        num_labels=num_labels, pad_token_id=0, arch=model_arch(model, model.vocab_size),
+        num_labels=num_labels, pad_token_id=0, arch=model.architecture(model.vocab_size),
         attention="sdpa", device="meta"))
 
 
-def checkpoint_bytes(model: DictConfig) -> int:
+def checkpoint_bytes(model: ModelConfig) -> int:
     """Bytes per parameter of the weights at model.path (its config's dtype); without a path, of a
     Qwen3 release (bfloat16)."""
     if not model.path:
@@ -47,6 +79,7 @@ def checkpoint_bytes(model: DictConfig) -> int:
 
 
 def plan(cfg: DictConfig) -> dict:
+    cfg = settings(cfg)
     if cfg.kind not in ROWS_PER_RECORD:
         raise ValueError(f"kind={cfg.kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
     shape = model_shape(cfg.model, cfg.kind)
@@ -148,6 +181,7 @@ def format_plan(p: dict) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="plan")
+@one_line_config_errors
 def main(cfg: DictConfig) -> None:
     result = plan(cfg)
     path = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
