@@ -74,10 +74,9 @@ def meta_classifier(config) -> torch.nn.Module:
     """
     from transformers import AutoModelForSequenceClassification
 
-    config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"
+    config = copy.deepcopy(config)  # from_config sets its attention and dtype on the config it gets
     with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(config)
+        return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: float) -> float:

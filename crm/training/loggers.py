@@ -54,12 +54,22 @@ class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):
     resumed run (resume=auto, a requeued job) would lose the earlier steps' metrics.
 
     Steps run again after a crash appear twice; the later row is the resumed run's.
+
+    Lightning offers no public way to append: this relies on its writer deleting the file when
+    created and writing rows under its `metrics_keys`; tests/training/test_distributed.py
+    (test_a_resumed_run_appends_to_the_csv_history, not slow) fails if either changes.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writer_started = False
 
     @property
     def experiment(self):
         path = Path(self.log_dir) / "metrics.csv"
-        if self._experiment is not None or rank_zero_only.rank != 0 or not path.is_file():
+        resuming = not self.writer_started and rank_zero_only.rank == 0 and path.is_file()
+        self.writer_started = True
+        if not resuming:
             return super().experiment
         aside = path.with_name(path.name + ".resumed")
         path.replace(aside)  # out of the writer's way while it starts
