@@ -2,8 +2,8 @@
 ids (in DataLoader workers) -> length-grouped, padded batches (where the workers' output meets).
 
 Exactly once per epoch, for any shard count, world size and worker count:
-- `plan.plan_rank` gives each rank a contiguous range of the epoch's record sequence and the same
-  number of batches K (see plan.py for why records, not shards, are split).
+- `epoch_plan.plan_rank` gives each rank a contiguous range of the epoch's record sequence and the same
+  number of batches K (see epoch_plan.py for why records, not shards, are split).
 - Every worker of a rank reads the rank's whole range (JSON parsing is cheap next to tokenizing)
   and cuts it into the same K chunks (the plan's batch sizes, in draw order); worker w encodes
   chunk j when (j - start) % V == w, which is the order in which the DataLoader asks its workers.

@@ -129,7 +129,7 @@ class CRMScorer:
     def from_checkpoint(cls, checkpoint: str | Path, batch_size: int = 16, device=None, dtype=None,
                         **kwargs) -> "CRMScorer":
         """The weights of a crm-train checkpoint (e.g. last.ckpt rather than the exported best)."""
-        from crm.models.checkpoint import load_crm  # it imports Lightning, which an export does not need
+        from crm.models.checkpoint import load_crm  # a checkpoint reader an export does not need
 
         auto_device, auto_dtype = default_device_dtype()
         crm, _ = load_crm(checkpoint, dtype=dtype or auto_dtype)
