@@ -31,7 +31,7 @@ from crm.data.shard import shard
 from crm.data.stream import StreamConfig
 from crm.data.transforms import TransformConfig
 from crm.models.compile import compile_layers, compile_stats
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.training.datamodule import CRMDataModule
 
@@ -80,8 +80,8 @@ def main() -> None:
     crms, optimizers = {}, {}
     for name in ("eager", "compiled"):
         torch.manual_seed(0)
-        crms[name] = build_crm("pairwise", num_labels=2, pad_token_id=tokenizer.pad_token_id,
-                               arch=arch, attention="sdpa").train()
+        crms[name] = build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig("pairwise"),
+                               num_labels=2, pad_token_id=tokenizer.pad_token_id).train()
         if name == "compiled":
             compile_layers(crms[name].model)
         optimizers[name] = torch.optim.AdamW(crms[name].parameters(), lr=1e-4)

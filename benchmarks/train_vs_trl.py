@@ -52,7 +52,7 @@ from crm.data.shard import shard
 from crm.data.stream import StreamConfig
 from crm.data.transforms import TransformConfig, record_rng, train_example
 from crm.models.backbone import ARCHITECTURES
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.training.datamodule import CRMDataModule
 from crm.training.module import CRMModule, OptimConfig
@@ -96,10 +96,11 @@ class StepTimer(L.Callback):
 def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args) -> dict:
     torch.manual_seed(0)
     transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
-    stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens)
-    data = CRMDataModule(manifest_dir, tokenizer, stream, transform, num_workers=args.num_workers)
-    make = lambda: build_crm(kind, num_labels=2, pad_token_id=tokenizer.pad_token_id,  # noqa: E731
-                             arch=arch, attention="sdpa")
+    stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens,
+                          num_workers=args.num_workers)
+    data = CRMDataModule(manifest_dir, tokenizer, stream, transform)
+    make = lambda: build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig(kind),  # noqa: E731
+                             num_labels=2, pad_token_id=tokenizer.pad_token_id)
     cuda = args.device == "cuda"
     module = CRMModule(make, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0),
                        compile=cuda and args.compile)
@@ -150,8 +151,8 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
                 self.end = now()
 
     torch.manual_seed(0)
-    model = build_crm("pointwise", num_labels=1, pad_token_id=tokenizer.pad_token_id, arch=arch,
-                      attention="sdpa").model
+    model = build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig("pointwise"), num_labels=1,
+                      pad_token_id=tokenizer.pad_token_id).model
     cuda = args.device == "cuda"
     config = RewardConfig(output_dir=out_dir, per_device_train_batch_size=args.batch_size,
                           max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant",

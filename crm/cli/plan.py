@@ -8,19 +8,54 @@ their assumptions are in crm/perf/flops.py and crm/perf/memory.py.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import model_arch
+from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
 from crm.core.files import write_json
+from crm.models.factory import ModelConfig
 from crm.perf.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
 from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
 
 
-def model_shape(model: DictConfig, kind: str) -> ModelShape:
+@dataclass
+class ClusterShape:
+    num_nodes: int = MISSING
+    devices: int = MISSING
+
+
+@dataclass
+class PlanConfig:
+    """configs/plan.yaml's keys and their types."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    trainer: ClusterShape = MISSING
+    seq_len: int = MISSING
+    micro_batch_size: int = MISSING
+    global_batch_size: int | None = MISSING
+    precision: str = MISSING
+    activation_checkpointing: bool = MISSING
+    compile: bool = MISSING
+    strategy: str = MISSING
+    gpu_memory_gib: float = MISSING
+    headroom_fraction: float = MISSING
+    reserved_gib: float = MISSING
+    gpu: str = MISSING
+    peak_tflops: float | None = MISSING
+    mfu: float = MISSING
+    kind: str = MISSING
+
+
+register_schema("plan", PlanConfig)
+
+
+def model_shape(model: ModelConfig, kind: str) -> ModelShape:
     """The shape of the model group's classifier: from model.path's config.json, else model.arch."""
     num_labels = 1 if kind == "pointwise" else 2
     if model.path:
@@ -28,10 +63,10 @@ def model_shape(model: DictConfig, kind: str) -> ModelShape:
 
         config = AutoConfig.from_pretrained(model.path, num_labels=num_labels, local_files_only=True)
         return ModelShape.from_config(config)
-    return ModelShape.from_arch(model_arch(model, model.vocab_size), num_labels=num_labels)
+    return ModelShape.from_arch(model.architecture(model.vocab_size), num_labels=num_labels)
 
 
-def checkpoint_bytes(model: DictConfig) -> int:
+def checkpoint_bytes(model: ModelConfig) -> int:
     """Bytes per parameter of the weights at model.path (its config's dtype); without a path, of a
     Qwen3 release (bfloat16)."""
     if not model.path:
@@ -43,6 +78,7 @@ def checkpoint_bytes(model: DictConfig) -> int:
 
 
 def plan(cfg: DictConfig) -> dict:
+    cfg = settings(cfg)
     if cfg.kind not in ROWS_PER_RECORD:
         raise ValueError(f"kind={cfg.kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
     shape = model_shape(cfg.model, cfg.kind)
@@ -58,7 +94,7 @@ def plan(cfg: DictConfig) -> dict:
                          micro_batch_size=cfg.micro_batch_size, kind=cfg.kind,
                          precision=cfg.precision, strategy=cfg.strategy,
                          activation_checkpointing=cfg.activation_checkpointing,
-                         compiled=cfg.compile in (True, "auto"),
+                         compiled=cfg.compile,
                          attention="eager" if cfg.model.attention == "eager" else "sdpa",
                          accumulating=accumulating,
                          gpu_memory_gib=cfg.gpu_memory_gib,
@@ -159,6 +195,7 @@ def format_plan(p: dict) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="plan")
+@one_line_config_errors
 def main(cfg: DictConfig) -> None:
     result = plan(cfg)
     path = Path(HydraConfig.get().runtime.output_dir) / "plan.json"

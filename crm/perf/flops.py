@@ -71,8 +71,7 @@ class ModelShape:
         fields = dict(ARCHITECTURES[arch] if isinstance(arch, str) else arch)
         if vocab_size:
             fields["vocab_size"] = vocab_size
-        return cls.from_config(qwen3_config(fields, num_labels=num_labels, pad_token_id=0,
-                                            attention="sdpa"))
+        return cls.from_config(qwen3_config(fields, num_labels=num_labels, pad_token_id=0))
 
 
 def head_dim(config) -> int:
@@ -87,10 +86,9 @@ def meta_classifier(config) -> torch.nn.Module:
     """
     from transformers import AutoModelForSequenceClassification
 
-    config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"
+    config = copy.deepcopy(config)  # from_config sets its attention and dtype on the config it gets
     with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(config)
+        return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: float) -> float:

@@ -97,12 +97,14 @@ class FSDPStrategy(ModelParallelStrategy):
     every rank has finished.
     """
 
-    def __init__(self, data_parallel_size: int, **kwargs):
+    def __init__(self, data_parallel_size: int, save_distributed_checkpoint: bool = True, **kwargs):
         # Explicit sizes: "auto" picks tensor parallelism over the ranks (nothing sharded).
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.sharded_checkpoints = save_distributed_checkpoint  # Lightning keeps its copy private
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        if not self._save_distributed_checkpoint:
+        if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         final = Path(self.broadcast(str(filepath)))
         partial = final.with_name(final.name + ".partial")

@@ -6,9 +6,9 @@
     perf/samples_per_s         records per second, all ranks (a pointwise record is two rows)
     perf/mfu                   tokens/s x FLOPs per token / (peak per device x world size);
                                not logged when no peak is known (CPU, an unknown GPU)
-    perf/compiled_graphs       graphs torch.compile built in this process so far (decoder layers:
-    perf/graph_breaks          crm.models.compile), and graph breaks; logged when any was built,
-    perf/compile_seconds       with a warning once graphs pass crm.models.compile.RECOMPILE_WARNING
+    perf/compiled_graphs       graphs torch.compile built since training started (decoder layers:
+    perf/graph_breaks          crm.models.compile), graph breaks and compile seconds; logged when
+    perf/compile_seconds       any was built, with a warning past crm.models.compile.RECOMPILE_WARNING
 
 FLOPs per token are crm.perf.flops' 6 N + 12 L H d S, with S the mean real row length of the window
 (real tokens / rows). A window runs from one logging point to the next, timed with
@@ -52,6 +52,7 @@ class Throughput(L.Callback):
         self._val_start: float | None = None
         self._last_step = -1
         self._warned_graphs = 0  # the graph count of the last recompile warning
+        self._compiled_before: dict | None = None  # compile_stats() when training started
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -59,6 +60,8 @@ class Throughput(L.Callback):
         if self.shape is None:
             self.shape = ModelShape.from_config(pl_module.crm.model.config)
         self.peak = peak_flops(self.gpu, self.peak_override)
+        if self._compiled_before is None:
+            self._compiled_before = compile_stats()
         self._reset_counts()
         self._last_step = trainer.global_step
         self._start_window()
@@ -113,7 +116,7 @@ class Throughput(L.Callback):
             "perf/samples_per_s": samples / elapsed,
             "perf/mfu": mfu(tokens_per_s, per_token, None if self.peak is None else self.peak * world),
         }
-        compiled = compile_stats()
+        compiled = {k: v - self._compiled_before[k] for k, v in compile_stats().items()}
         if compiled["graphs"]:
             figures.update({"perf/compiled_graphs": compiled["graphs"],
                             "perf/graph_breaks": compiled["graph_breaks"],

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from crm.data.padding import pad_rows
 from crm.models.compile import compile_stats
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.training.parallel import ParallelConfig, build_sharded
 
 
@@ -33,7 +33,8 @@ def main(kind: str, arch: dict, out: str) -> None:
     results = {}
     for compile in (False, True):
         torch.manual_seed(0)
-        make = partial(build_crm, kind, num_labels=2, pad_token_id=0, arch=arch, attention="sdpa")
+        make = partial(build_crm, ModelConfig(arch=arch, attention="sdpa"), LossConfig(kind),
+                       num_labels=2, pad_token_id=0)
         crm = build_sharded(make, mesh["data_parallel"], config, compile=compile).train()
         g = torch.Generator().manual_seed(rank)
         for step, lengths in enumerate(([9, 14, 6, 11], [21, 4, 17, 8])):

@@ -13,10 +13,10 @@ from helpers import COMPILE_ARCH, tiny_tokenizer
 
 from crm.data.padding import pad_rows
 from crm.models import compile as compiling
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.training.parallel import ParallelConfig, prepare_layers
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")  # tests/conftest.py
 # float32 throughout; inductor fuses and reorders the elementwise work, so sums round differently.
 RTOL, ATOL = 1e-4, 1e-6
 
@@ -27,8 +27,8 @@ def crm_pair(kind: str):
     models = []
     for compile in (False, True):
         torch.manual_seed(0)
-        crm = build_crm(kind, num_labels=2, pad_token_id=tok.pad_token_id,
-                        arch={**COMPILE_ARCH, "vocab_size": len(tok)}, attention="sdpa")
+        crm = build_crm(ModelConfig(arch=COMPILE_ARCH, attention="sdpa"), LossConfig(kind), num_labels=2,
+                        pad_token_id=tok.pad_token_id, vocab_size=len(tok))
         prepare_layers(crm, ParallelConfig(activation_checkpointing=True), compile)
         models.append(crm.train())
     return models
@@ -99,14 +99,13 @@ def test_settings_and_the_compilers_inductor_needs():
     assert isinstance(compiling.why_not_compilable("cuda"), (str, type(None)))
 
 
-def test_a_missing_cxx_compiler_is_named(monkeypatch):
+def test_a_missing_cxx_compiler_is_named():
     from torch._inductor import config
-
-    monkeypatch.setattr(config.cpp, "cxx", ("no-such-compiler-for-crm",))
     from torch._inductor.cpp_builder import cpp_compiler_search
 
-    cpp_compiler_search.cache_clear()
+    cpp_compiler_search.cache_clear()  # inductor remembers the compiler it found
     try:
-        assert "no C++ compiler found" in compiling.why_not_compilable("cpu")
+        with config.patch({"cpp.cxx": ("no-such-compiler-for-crm",)}):
+            assert "no C++ compiler found" in compiling.why_not_compilable("cpu")
     finally:
         cpp_compiler_search.cache_clear()

@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).parents[1] / "dist" / "compiled_fsdp.py"
 RTOL, ATOL = 1e-4, 1e-6  # float32; inductor sums in another order (tests/models/test_compile.py)
 ARCH_OVERRIDES = [f"model.arch.{k}={v}" for k, v in COMPILE_ARCH.items()]
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")  # tests/conftest.py
 
 
 @pytest.mark.slow  # two processes, each building its model twice: 30-60 s on 2 cores
