@@ -1,0 +1,315 @@
+"""crm-rl's harness: GRPO runs from one initial policy under different criteria, and the evidence.
+
+Every run starts from the same initial policy with the same seeds; runs differ only in the reward.
+The evidence is measured here, not read from the trainer's logs or the CRM: each final policy
+samples `per_prompt` completions of held-out prompts with one fixed seed, and their tokens are
+counted. Checks:
+
+- a run whose criteria expect `shorter` (`longer`) ends with a mean length below (above) the
+  initial policy's, and the gap between the two is at least `min_gap` of the maximum length;
+- `constant`: a constant reward moves the mean length by less than `epsilon` of the maximum length;
+- `flipped_<run>`: the same criteria under a CRM that prefers the opposite moves the length the
+  other way (the signal is the CRM's, not a length rule in the wrapper).
+
+Guard runs (KL `beta`, the overlong penalty, and the unbounded log-odds reward as the contrast to
+the bounded default) repeat one run with the guard; their measured effect is reported, not checked.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from crm.core.records import read_lines
+from crm.inference.reward import CRMReward, load_crm_scorer
+from crm.inference.scorer import CRMScorer
+from crm.rl.controls import constant_reward, flipped_scorer
+from crm.rl.grpo import GRPOSettings, train_grpo
+from crm.rl.policy import PolicyConfig, Samples, build_policy, load_policy, sample, warm_up
+
+log = logging.getLogger("crm.rl")
+EXPECT = {"shorter": -1, "longer": 1}
+
+
+@dataclass(frozen=True)
+class Run:
+    criteria: tuple[str, ...]
+    expect: str | None = None  # shorter | longer | None: the direction the harness checks
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    strategy: str | None = None  # None: pointwise for a pointwise CRM, round_robin for a pairwise one
+    tau: float = 1.0
+    log_odds: bool = False
+    batch_size: int = 32
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    steps: int = 150
+    batch_size: int = 16
+    lr: float = 3e-3
+    max_sentences: int = 5
+
+
+@dataclass(frozen=True)
+class Measure:
+    prompts: int = 16  # held-out prompts, never trained on
+    per_prompt: int = 4
+    seed: int = 1234
+    examples: int = 2  # sample texts kept per run in the JSON
+
+
+@dataclass(frozen=True)
+class Controls:
+    constant: bool = True
+    flipped: str | None = "derived"  # derived | a CRM trained on flipped labels | None: no run
+    epsilon: float = 0.05  # the most a constant reward may move the mean length, share of max
+    min_gap: float = 0.3  # the least gap between the shorter and the longer run, share of max
+
+
+@dataclass(frozen=True)
+class Guards:
+    under: str | None = "detailed"  # the run the guards repeat (None: no guard runs)
+    beta: float | None = 0.1
+    overlong_cache: int | None = 16
+    unbounded: bool = True
+
+
+@dataclass(frozen=True)
+class Plan:
+    checkpoint: str
+    data: str
+    runs: dict[str, Run]
+    reward: RewardSettings = RewardSettings()
+    grpo: GRPOSettings = GRPOSettings()
+    policy_path: str | None = None  # a local HF causal LM; None: the tiny one, warmed up
+    policy: PolicyConfig = PolicyConfig()
+    warm_up: WarmUp = WarmUp()
+    measure: Measure = Measure()
+    controls: Controls = Controls()
+    guards: Guards = Guards()
+    seed: int = 0
+    device: str | None = None  # None: cuda when visible, else cpu
+
+
+def read_prompts(path: str | Path) -> dict[str, list[str]]:
+    """query -> its answers in the file, for any crm format (training, test, benchmark)."""
+    answers: dict[str, list[str]] = {}
+    for line in read_lines(path):
+        if line.error:
+            raise line.error
+        record = line.record
+        if hasattr(record, "responses"):  # benchmark
+            query = record.prompt
+            convs = list(record.responses.values())
+        else:
+            query = record.model_a[0].content
+            convs = [record.model_a[1:], record.model_b[1:]]
+        texts = [c[0].content for c in convs if c and c[0].role == "assistant"]
+        answers.setdefault(query, []).extend(texts)
+    return answers
+
+
+def run(plan: Plan, out_dir: Path) -> dict:
+    started = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(plan.device) if plan.device else None
+    crm = load_crm_scorer(plan.checkpoint, batch_size=plan.reward.batch_size, device=device)
+    strategy = CRMReward(crm, plan.reward.strategy).strategy
+    answers = read_prompts(plan.data)
+    queries = sorted(answers)
+    random.Random(plan.seed).shuffle(queries)
+    held_out, train_queries = queries[:plan.measure.prompts], queries[plan.measure.prompts:]
+    if not train_queries:
+        raise ValueError(f"{plan.data}: {len(queries)} distinct prompts, all held out for the "
+                         f"measurement (measure.prompts={plan.measure.prompts})")
+    references = [answers[q][0] for q in held_out]
+
+    policy, tokenizer, policy_info = _initial_policy(plan, crm, answers)
+    max_len = plan.grpo.max_completion_length
+
+    def measure(model) -> Samples:
+        return sample(model, tokenizer, held_out, per_query=plan.measure.per_prompt,
+                      max_tokens=max_len, temperature=plan.grpo.temperature,
+                      seed=plan.measure.seed)
+
+    # Every run loads the initial policy from here: the same weights, and TRL (beta > 0) loads
+    # its reference model from the path the policy names.
+    initial_dir = out_dir / "initial_policy"
+    policy.save_pretrained(initial_dir)
+    tokenizer.save_pretrained(initial_dir)
+    initial = measure(policy)
+    flipped = _flipped(plan, crm, device)
+    result = {
+        "checkpoint": str(plan.checkpoint), "kind": crm.kind, "data": str(plan.data),
+        "reward": {**asdict(plan.reward), "strategy": strategy},
+        "policy": policy_info, "grpo": asdict(plan.grpo), "measure": asdict(plan.measure),
+        "prompts": {"train": len(train_queries), "held_out": len(held_out)},
+        "initial": initial.summary(max_len), "runs": {},
+    }
+    result["initial"]["examples"] = initial.texts[:plan.measure.examples]
+    scored_initial: dict = {}
+
+    def crm_reward(scorer, criteria, samples: Samples) -> float:
+        """The mean reward of `samples` under this CRM and criteria, against the data's answer to
+        each query (pairwise) or absolute (pointwise): comparable between start and end."""
+        reward = CRMReward(scorer, "pointwise" if scorer.kind == "pointwise" else "reference")
+        values = reward([q for q in samples.queries], samples.texts,
+                        criteria=[list(criteria)] * len(samples.texts),
+                        reference=[references[held_out.index(q)] for q in samples.queries])
+        return round(sum(values) / len(values), 4)
+
+    def one_run(name: str, reward_funcs: list, criteria, scorer, grpo: GRPOSettings,
+                about: str) -> dict:
+        log.info("crm-rl: run %s (%s)", name, about)
+        t0 = time.perf_counter()
+        model = load_policy(initial_dir)
+        history = train_grpo(model, tokenizer, train_queries, criteria, reward_funcs, grpo,
+                             out_dir / "trl" / name)
+        final = measure(model)
+        entry = {"reward": about, "criteria": list(criteria) if criteria else None,
+                 "length": final.summary(max_len),
+                 "length_change": round(_mean(final.lengths) - _mean(initial.lengths), 2),
+                 "examples": final.texts[:plan.measure.examples]}
+        entry["length_change_share_of_max"] = round(entry["length_change"] / max_len, 4)
+        if scorer is not None:
+            key = (id(scorer), tuple(criteria))
+            if key not in scored_initial:
+                scored_initial[key] = crm_reward(scorer, criteria, initial)
+            entry["crm_reward"] = {"start": scored_initial[key],
+                                   "end": crm_reward(scorer, criteria, final),
+                                   "measured": "mean over the held-out samples, against the "
+                                               "data's answer to each prompt"}
+        entry["trainer_log"] = _trainer_log(history)
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        return entry
+
+    def crm_funcs(scorer, log_odds: bool = plan.reward.log_odds) -> list:
+        return [CRMReward(scorer, strategy, tau=plan.reward.tau, log_odds=log_odds)]
+
+    runs = result["runs"]
+    for name, spec in plan.runs.items():
+        runs[name] = one_run(name, crm_funcs(crm), spec.criteria, crm, plan.grpo,
+                             f"the CRM, {strategy}")
+    if plan.controls.constant:
+        runs["constant"] = one_run("constant", [constant_reward()], None, None, plan.grpo,
+                                   "constant 0.5 for every completion")
+    if flipped is not None:
+        scorer, about = flipped
+        for name, spec in plan.runs.items():
+            if spec.expect:
+                runs[f"flipped_{name}"] = one_run(f"flipped_{name}", crm_funcs(scorer),
+                                                  spec.criteria, scorer, plan.grpo, about)
+    result["guards"] = _guard_runs(plan, strategy, runs, one_run, crm_funcs, crm)
+    result["evidence"] = evidence(plan, runs)
+    result["seconds"] = {"warm_up": policy_info.get("warm_up", {}).get("seconds"),
+                         "total": round(time.perf_counter() - started, 1)}
+    return result
+
+
+def _initial_policy(plan: Plan, crm: CRMScorer, answers: dict[str, list[str]]):
+    if plan.policy_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(plan.policy_path, local_files_only=True)
+        return load_policy(plan.policy_path), tokenizer, {"path": plan.policy_path, "warm_up": None}
+    tokenizer = crm.tokenizer
+    policy = build_policy(tokenizer, plan.policy, plan.seed)
+    t0 = time.perf_counter()
+    pairs = [(q, a) for q, texts in answers.items() for a in texts]
+    w = plan.warm_up
+    losses = warm_up(policy, tokenizer, pairs, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                     max_sentences=w.max_sentences, seed=plan.seed)
+    info = {"built": "tiny Qwen3ForCausalLM from a local config, randomly initialised",
+            "config": asdict(plan.policy), "parameters": sum(p.numel() for p in policy.parameters()),
+            "tokenizer": "the CRM's",
+            "warm_up": {**asdict(w), "loss_first": round(losses[0], 3),
+                        "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 3),
+                        "seconds": round(time.perf_counter() - t0, 1),
+                        "why": "a random policy almost never samples EOS; answers cut after "
+                               "1..max_sentences sentences give a mid-range length to move"}}
+    return policy, tokenizer, info
+
+
+def _flipped(plan: Plan, crm: CRMScorer, device):
+    if plan.controls.flipped is None:
+        return None
+    if plan.controls.flipped == "derived":
+        return flipped_scorer(crm), ("DERIVED flipped CRM (not trained): the CRM with its two "
+                                     "label rows swapped" if crm.kind == "pairwise" else
+                                     "DERIVED flipped CRM (not trained): the CRM's reward negated")
+    scorer = load_crm_scorer(plan.controls.flipped, batch_size=plan.reward.batch_size, device=device)
+    return scorer, f"a CRM trained on flipped labels: {plan.controls.flipped}"
+
+
+def _guard_runs(plan: Plan, strategy: str, runs: dict, one_run, crm_funcs, crm) -> dict:
+    g = plan.guards
+    if g.under is None:
+        return {}
+    spec, base = plan.runs[g.under], runs[g.under]
+    out = {}
+    about = f"the CRM, {strategy}"
+    if g.beta:
+        grpo = GRPOSettings(**{**asdict(plan.grpo), "beta": g.beta})
+        out["beta"] = one_run(f"{g.under}_beta", crm_funcs(crm), spec.criteria, crm, grpo,
+                              f"{about}, KL beta={g.beta}")
+    if g.overlong_cache:
+        grpo = GRPOSettings(**{**asdict(plan.grpo), "overlong_cache": g.overlong_cache})
+        out["overlong_penalty"] = one_run(
+            f"{g.under}_overlong", crm_funcs(crm), spec.criteria, crm, grpo,
+            f"{about} + TRL's soft overlong punishment over the last {g.overlong_cache} tokens")
+    if g.unbounded and strategy != "pointwise":  # the pointwise reward is unbounded already
+        out["unbounded"] = one_run(f"{g.under}_unbounded", crm_funcs(crm, log_odds=True),
+                                   spec.criteria, crm, plan.grpo,
+                                   f"{about}, log-odds (unbounded) instead of probabilities")
+    for entry in out.values():
+        entry["versus_unguarded"] = {
+            "mean_share_of_max": [base["length"]["mean_share_of_max"],
+                                  entry["length"]["mean_share_of_max"]],
+            "clipped_share": [base["length"]["clipped_share"], entry["length"]["clipped_share"]]}
+    return {"under": g.under, **out}
+
+
+def evidence(plan: Plan, runs: dict) -> dict:
+    """The checks of the module doc, on the measured lengths."""
+    checks, max_len = {}, plan.grpo.max_completion_length
+    for name, spec in plan.runs.items():
+        if spec.expect:
+            sign = EXPECT[spec.expect]
+            checks[f"{name}_{spec.expect}_than_initial"] = sign * runs[name]["length_change"] > 0
+            if f"flipped_{name}" in runs:
+                checks[f"flipped_{name}_reverses"] = -sign * runs[f"flipped_{name}"]["length_change"] > 0
+    shorter = [n for n, s in plan.runs.items() if s.expect == "shorter"]
+    longer = [n for n, s in plan.runs.items() if s.expect == "longer"]
+    out = {"epsilon_share_of_max": plan.controls.epsilon, "min_gap_share_of_max": plan.controls.min_gap}
+    if shorter and longer:
+        gap = (min(runs[n]["length"]["mean_tokens"] for n in longer)
+               - max(runs[n]["length"]["mean_tokens"] for n in shorter)) / max_len
+        out["gap_share_of_max"] = round(gap, 4)
+        checks["gap_at_least_min_gap"] = gap >= plan.controls.min_gap
+    if "constant" in runs:
+        moved = abs(runs["constant"]["length_change_share_of_max"])
+        checks["constant_within_epsilon"] = moved < plan.controls.epsilon
+    out["checks"] = checks
+    out["all_passed"] = all(checks.values())
+    return out
+
+
+def _trainer_log(history: list[dict]) -> dict:
+    """The trainer's own first and last logged means: context, never the evidence."""
+    logged = [h for h in history if "reward" in h]
+    if not logged:
+        return {}
+    keys = ("reward", "completions/mean_length", "completions/clipped_ratio", "kl")
+    return {which: {k: round(h[k], 4) for k in keys if k in h}
+            for which, h in (("first", logged[0]), ("last", logged[-1]))}
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
