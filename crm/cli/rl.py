@@ -1,6 +1,6 @@
 """crm-rl: GRPO (TRL) with a CRM and one user's criteria as the reward, and the evidence it works.
 
-    crm-rl [checkpoint=DIR] [data=FILE.jsonl] ['runs={mine: {criteria: ["..."], expect: null}}']
+    crm-rl [checkpoint=DIR] [prompts=FILE.jsonl] ['runs=[{name: mine, criteria: ["..."]}]']
 
 With no overrides it is the embedded CPU demo on the demo's CRM (`make demo` makes it). Writes
 rl.json into outputs/rl/<name> and prints its evidence (docs/RL.md).
@@ -26,14 +26,14 @@ log = logging.getLogger("crm.rl")
 
 def check_inputs(cfg: DictConfig) -> None:
     """A missing CRM or prompt file stops the start with what to do about it."""
-    missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "data") if not Path(cfg[key]).exists()]
+    missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "prompts") if not Path(cfg[key]).exists()]
     if cfg.controls.flipped not in (None, "derived") and not Path(cfg.controls.flipped).exists():
         missing.append(f"controls.flipped={cfg.controls.flipped}")
     if missing:
         raise ConfigError(f"{' and '.join(missing)}: no such file or directory. The defaults are "
                           "the demo's CRM and data: `make demo` makes them (about 5 minutes on 2 "
                           "CPU cores); or train with yours: `crm-rl checkpoint=EXPORT_OR_CKPT "
-                          "data=PROMPTS.jsonl`")
+                          "prompts=PROMPTS.jsonl`")
     if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
         raise ConfigError(f"policy.path={cfg.policy.path}: no such directory (a local HF causal LM)")
 
@@ -46,16 +46,19 @@ def plan_of(cfg: DictConfig):
     from crm.rl.policy import PolicyConfig
 
     if not cfg.runs:
-        raise ConfigError("runs: no runs; e.g. 'runs={mine: {criteria: [\"I like short answers.\"]}}'")
+        raise ConfigError("runs: no runs; e.g. 'runs=[{name: mine, criteria: [\"I like short answers.\"]}]'")
     runs = {}
-    for name, spec in cfg.runs.items():
+    for i, spec in enumerate(cfg.runs):
+        name = spec.get("name")
+        if not isinstance(name, str) or not name or name in runs:
+            raise ConfigError(f"runs[{i}].name: a name of its own is needed ({name!r})")
         criteria = spec.get("criteria")
         criteria = [criteria] if isinstance(criteria, str) else list(criteria or [])
         if not criteria or not all(isinstance(c, str) and c.strip() for c in criteria):
-            raise ConfigError(f"runs.{name}.criteria: a non-empty list of non-empty strings")
+            raise ConfigError(f"runs[{i}].criteria: a non-empty list of non-empty strings")
         expect = spec.get("expect")
         if expect is not None and expect not in EXPECT:
-            raise ConfigError(f"runs.{name}.expect={expect}: shorter, longer or null")
+            raise ConfigError(f"runs[{i}].expect={expect}: shorter, longer or null")
         runs[str(name)] = Run(tuple(criteria), expect)
     if cfg.guards.under is not None and cfg.guards.under not in runs:
         raise ConfigError(f"guards.under={cfg.guards.under}: not a run ({', '.join(runs)}); "
@@ -67,7 +70,7 @@ def plan_of(cfg: DictConfig):
     if grpo.max_steps < 1 or grpo.num_generations < 2 or grpo.max_completion_length < 1:
         raise ConfigError("grpo: max_steps >= 1, num_generations >= 2 (GRPO compares a group) and "
                           "max_completion_length >= 1")
-    return Plan(checkpoint=str(cfg.checkpoint), data=str(cfg.data), runs=runs,
+    return Plan(checkpoint=str(cfg.checkpoint), prompts=str(cfg.prompts), runs=runs,
                 reward=RewardSettings(**OmegaConf.to_container(cfg.reward)), grpo=grpo,
                 policy_path=cfg.policy.path,
                 policy=PolicyConfig(**OmegaConf.to_container(cfg.policy.arch)),
@@ -81,7 +84,9 @@ def plan_of(cfg: DictConfig):
 def run(cfg: DictConfig) -> dict:
     import torch
 
+    from crm.core.records import RecordError
     from crm.inference.reward import CRMRewardError
+    from crm.rl.demo import PlanError
     from crm.rl.demo import run as run_plan
 
     started = time.time()
@@ -92,7 +97,7 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         result = run_plan(plan, run_dir)
-    except CRMRewardError as exc:
+    except (CRMRewardError, PlanError, RecordError) as exc:  # bad input: one line, exit 2
         raise ConfigError(str(exc)) from None
     result["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "rl.json", result)
@@ -104,8 +109,9 @@ def summary(result: dict) -> str:
              f"({result['initial']['clipped_share']:.0%} clipped)"]
     for name, entry in {**result["runs"], **{f"guard {k}": v for k, v in result["guards"].items()
                                             if isinstance(v, dict)}}.items():
-        crm = entry.get("crm_reward")
-        reward = f"; CRM reward {crm['start']} -> {crm['end']}" if crm else ""
+        crm = entry.get("crm")
+        reward = (f"; CRM reward {crm['reward_start']} -> {crm['reward_end']}, final beats "
+                  f"initial {crm['final_beats_initial']}" if crm else "")
         lines.append(f"{name:>24}: {entry['length']['mean_tokens']:6.2f} tokens "
                      f"({entry['length_change']:+.2f}; {entry['length']['clipped_share']:.0%} "
                      f"clipped){reward}")

@@ -35,6 +35,10 @@ log = logging.getLogger("crm.rl")
 EXPECT = {"shorter": -1, "longer": 1}
 
 
+class PlanError(ValueError):
+    """Input the harness cannot run on (crm-rl reports it as one line)."""
+
+
 @dataclass(frozen=True)
 class Run:
     criteria: tuple[str, ...]
@@ -84,7 +88,7 @@ class Guards:
 @dataclass(frozen=True)
 class Plan:
     checkpoint: str
-    data: str
+    prompts: str
     runs: dict[str, Run]
     reward: RewardSettings = RewardSettings()
     grpo: GRPOSettings = GRPOSettings()
@@ -122,14 +126,14 @@ def run(plan: Plan, out_dir: Path) -> dict:
     device = torch.device(plan.device) if plan.device else None
     crm = load_crm_scorer(plan.checkpoint, batch_size=plan.reward.batch_size, device=device)
     strategy = CRMReward(crm, plan.reward.strategy).strategy
-    answers = read_prompts(plan.data)
+    answers = read_prompts(plan.prompts)
     queries = sorted(answers)
     random.Random(plan.seed).shuffle(queries)
     held_out, train_queries = queries[:plan.measure.prompts], queries[plan.measure.prompts:]
     if not train_queries:
-        raise ValueError(f"{plan.data}: {len(queries)} distinct prompts, all held out for the "
+        raise PlanError(f"{plan.prompts}: {len(queries)} distinct prompts, all held out for the "
                          f"measurement (measure.prompts={plan.measure.prompts})")
-    references = [answers[q][0] for q in held_out]
+    references = {q: answers[q][0] for q in held_out}
 
     policy, tokenizer, policy_info = _initial_policy(plan, crm, answers)
     max_len = plan.grpo.max_completion_length
@@ -147,23 +151,15 @@ def run(plan: Plan, out_dir: Path) -> dict:
     initial = measure(policy)
     flipped = _flipped(plan, crm, device)
     result = {
-        "checkpoint": str(plan.checkpoint), "kind": crm.kind, "data": str(plan.data),
+        "checkpoint": str(plan.checkpoint), "kind": crm.kind,
         "reward": {**asdict(plan.reward), "strategy": strategy},
         "policy": policy_info, "grpo": asdict(plan.grpo), "measure": asdict(plan.measure),
-        "prompts": {"train": len(train_queries), "held_out": len(held_out)},
-        "initial": initial.summary(max_len), "runs": {},
+        "prompts": {"file": str(plan.prompts), "train": len(train_queries),
+                    "held_out": len(held_out)},
+        "initial": {**initial.summary(max_len), "examples": initial.texts[:plan.measure.examples]},
+        "runs": {},
     }
-    result["initial"]["examples"] = initial.texts[:plan.measure.examples]
-    scored_initial: dict = {}
-
-    def crm_reward(scorer, criteria, samples: Samples) -> float:
-        """The mean reward of `samples` under this CRM and criteria, against the data's answer to
-        each query (pairwise) or absolute (pointwise): comparable between start and end."""
-        reward = CRMReward(scorer, "pointwise" if scorer.kind == "pointwise" else "reference")
-        values = reward([q for q in samples.queries], samples.texts,
-                        criteria=[list(criteria)] * len(samples.texts),
-                        reference=[references[held_out.index(q)] for q in samples.queries])
-        return round(sum(values) / len(values), 4)
+    initial_rewards: dict = {}
 
     def one_run(name: str, reward_funcs: list, criteria, scorer, grpo: GRPOSettings,
                 about: str) -> dict:
@@ -180,12 +176,10 @@ def run(plan: Plan, out_dir: Path) -> dict:
         entry["length_change_share_of_max"] = round(entry["length_change"] / max_len, 4)
         if scorer is not None:
             key = (id(scorer), tuple(criteria))
-            if key not in scored_initial:
-                scored_initial[key] = crm_reward(scorer, criteria, initial)
-            entry["crm_reward"] = {"start": scored_initial[key],
-                                   "end": crm_reward(scorer, criteria, final),
-                                   "measured": "mean over the held-out samples, against the "
-                                               "data's answer to each prompt"}
+            if key not in initial_rewards:
+                initial_rewards[key] = against_reference(scorer, criteria, initial, references)
+            entry["crm"] = judge(scorer, criteria, initial, final, initial_rewards[key],
+                                 against_reference(scorer, criteria, final, references))
         entry["trainer_log"] = _trainer_log(history)
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         return entry
@@ -211,6 +205,37 @@ def run(plan: Plan, out_dir: Path) -> dict:
     result["seconds"] = {"warm_up": policy_info.get("warm_up", {}).get("seconds"),
                          "total": round(time.perf_counter() - started, 1)}
     return result
+
+
+def against_reference(scorer: CRMScorer, criteria, samples: Samples,
+                      references: dict[str, str]) -> list[float]:
+    """Each sample's reward under this CRM and criteria: against the data's answer to its prompt
+    (a pairwise CRM, both orders), or its own reward (a pointwise CRM)."""
+    reward = CRMReward(scorer, "pointwise" if scorer.kind == "pointwise" else "reference")
+    return reward(samples.queries, samples.texts, criteria=[list(criteria)] * len(samples.texts),
+                  reference=[references[q] for q in samples.queries])
+
+
+def judge(scorer: CRMScorer, criteria, initial: Samples, final: Samples, start: list[float],
+          end: list[float]) -> dict:
+    """What the run's CRM says of the final policy (the evidence is the lengths; this shows
+    that the policy moved the CRM's way): its mean reward at start and end, the final samples'
+    win rate against the initial policy's for the same prompts (every pair, both orders:
+    above 0.5 when the policy moved the CRM's way), and its reward of the final samples the length
+    limit cut against those that ended (reward hacking at the limit: docs/RL.md)."""
+    pairs = [(q, f, i) for q, f in zip(final.queries, final.texts)
+             for qi, i in zip(initial.queries, initial.texts) if qi == q]
+    reference = CRMReward(scorer, "reference")
+    wins = reference([q for q, _, _ in pairs], [f for _, f, _ in pairs],
+                     criteria=[list(criteria)] * len(pairs), reference=[i for _, _, i in pairs])
+    cut = [r for r, c in zip(end, final.clipped) if c]
+    ended = [r for r, c in zip(end, final.clipped) if not c]
+    return {"reward_start": round(_mean(start), 4), "reward_end": round(_mean(end), 4),
+            "reward_is": ("against the data's answer to each prompt" if scorer.kind == "pairwise"
+                          else "the pointwise reward"),
+            "final_beats_initial": round(_mean(wins), 4),
+            "reward_end_clipped": round(_mean(cut), 4) if cut else None,
+            "reward_end_terminated": round(_mean(ended), 4) if ended else None}
 
 
 def _initial_policy(plan: Plan, crm: CRMScorer, answers: dict[str, list[str]]):

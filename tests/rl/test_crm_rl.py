@@ -1,0 +1,95 @@
+"""crm-rl (crm/cli/rl.py, configs/rl.yaml): its one-line configuration errors, and end to end the
+real command on a quickly trained CRM (tests/scorers.py train_length_crm): rl.json's structure,
+and lengths that move the way the criteria say, measured by the harness."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from scorers import export_tiny, run_cli
+
+from crm.cli.rl import run
+from crm.core.errors import ConfigError
+
+BIN = Path(sys.executable).parent
+# Few and small: a tiny policy warmed up briefly, a few GRPO steps per run, short completions.
+QUICK = ["torch_threads=1", "policy.warm_up.steps=60", "grpo.max_steps=6", "grpo.prompts_per_step=4",
+         "grpo.max_completion_length=32", "grpo.learning_rate=3e-3", "grpo.logging_steps=3",
+         "measure.prompts=8", "guards.overlong_cache=8"]
+
+
+@pytest.mark.slow
+def test_crm_rl_moves_length_the_way_the_criteria_say(length_crm, tmp_path):
+    export, data = length_crm
+    env = {**os.environ, "CRM_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(BIN / "crm-rl"), f"checkpoint={export}", f"prompts={data}", "name=quick",
+                           *QUICK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "outputs" / "rl" / "quick" / "rl.json").read_text())
+    assert result["kind"] == "pointwise" and result["reward"]["strategy"] == "pointwise"
+    runs = result["runs"]
+    assert set(runs) == {"short", "detailed", "constant", "flipped_short", "flipped_detailed"}
+    assert set(result["guards"]) == {"under", "beta", "overlong_penalty"}  # pointwise: no unbounded
+    for entry in [*runs.values(), result["guards"]["beta"], result["guards"]["overlong_penalty"]]:
+        assert entry["length"]["n"] == 8 * 4
+        assert {"mean_tokens", "clipped_share", "mean_share_of_max"} <= set(entry["length"])
+    assert "DERIVED" in runs["flipped_short"]["reward"]  # named for what it is: not trained
+    initial = result["initial"]["mean_tokens"]
+    assert runs["short"]["length"]["mean_tokens"] < initial < runs["detailed"]["length"]["mean_tokens"]
+    assert runs["flipped_short"]["length_change"] > 0 > runs["flipped_detailed"]["length_change"]
+    assert abs(runs["constant"]["length_change_share_of_max"]) < result["evidence"]["epsilon_share_of_max"]
+    # the CRM prefers the final policy's answers to the initial one's, under its criteria
+    for name in ("short", "detailed", "flipped_short", "flipped_detailed"):
+        assert runs[name]["crm"]["final_beats_initial"] > 0.5
+    assert runs["detailed"]["crm"]["reward_end"] > runs["detailed"]["crm"]["reward_start"]
+    assert result["evidence"]["all_passed"], result["evidence"]
+    assert "evidence: all checks pass" in done.stdout
+
+
+def test_missing_demo_crm_says_how_to_make_it(tmp_path):
+    done = subprocess.run([str(BIN / "crm-rl")], env={**os.environ, "CRM_ROOT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("crm-rl: checkpoint=")
+    assert "`make demo` makes them" in lines[0]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["runs=[]"], "runs: no runs"),
+    (["runs=[{name: a, criteria: []}]"], "runs[0].criteria: a non-empty list of non-empty strings"),
+    (["runs=[{name: a, criteria: [x]}, {name: a, criteria: [y]}]"], "runs[1].name: a name of its own"),
+    (["runs.0.expect=sideways"], "runs[0].expect=sideways: shorter, longer or null"),
+    (["guards.under=missing"], "guards.under=missing: not a run (short, detailed)"),
+    (["grpo.num_generations=1"], "num_generations >= 2"),
+    (["controls.flipped=/no/such/crm"], "controls.flipped=/no/such/crm: no such file"),
+])
+def test_settings_that_cannot_work_are_config_errors(tmp_path, overrides, message):
+    export = export_tiny(tmp_path / "crm")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"idx": 0, "topic": "t", "prompt": "q",
+                                "responses": {"m": "a", "n": "b"}}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_cli("rl", run, [f"checkpoint={export}", f"prompts={data}", *overrides], tmp_path / "run")
+
+
+def test_a_model_that_is_not_a_crm_is_a_config_error(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"idx": 0, "topic": "t", "prompt": "q", "responses": {"m": "a"}}) + "\n")
+    with pytest.raises(ConfigError, match="not a CRM checkpoint"):
+        run_cli("rl", run, [f"checkpoint={tmp_path / 'model'}", f"prompts={data}"], tmp_path / "run")
+
+
+def test_a_prompt_file_with_every_prompt_held_out_is_a_config_error(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"idx": 0, "topic": "t", "prompt": "q", "responses": {"m": "a"}}) + "\n")
+    with pytest.raises(ConfigError, match="1 distinct prompts, all held out for the measurement"):
+        run_cli("rl", run, [f"checkpoint={export_tiny(tmp_path / 'crm')}", f"prompts={data}"],
+                tmp_path / "run")
