@@ -349,6 +349,7 @@ def gather_rows(rows: list[Row]) -> tuple[list[Row], int]:
     if world == 1:
         return rows, 0
     parts: list = [None] * world
+    # Pickled between this job's own processes (torch's object collective), never from outside.
     torch.distributed.all_gather_object(parts, [tuple(r) for r in rows])
     rank = torch.distributed.get_rank()
     offset = sum(len(p) for p in parts[:rank])

@@ -80,7 +80,7 @@ class Controls:
 @dataclass(frozen=True)
 class Guards:
     under: str | None = "detailed"  # the run the guards repeat (None: no guard runs)
-    beta: float | None = 0.1
+    beta: float | None = 1.0
     overlong_cache: int | None = 16
     unbounded: bool = True
 

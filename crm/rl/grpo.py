@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 
 @dataclass(frozen=True)
 class GRPOSettings:
@@ -22,6 +24,7 @@ class GRPOSettings:
     beta: float = 0.0  # KL coefficient to the initial policy (TRL's default is 0: no reference model)
     temperature: float = 1.0
     overlong_cache: int = 0  # > 0: DAPO's soft overlong punishment over the last this-many tokens
+    scale_rewards: str = "group"  # TRL's advantage scaling: group (GRPO) | batch | none
     seed: int = 0
     logging_steps: int = 5
 
@@ -44,13 +47,16 @@ def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None
     if settings.overlong_cache:
         funcs.append(get_soft_overlong_punishment(settings.max_completion_length,
                                                   settings.overlong_cache))
+    cuda = torch.cuda.is_available()
     args = GRPOConfig(
-        output_dir=str(output_dir), use_cpu=True, bf16=False, seed=settings.seed,
+        output_dir=str(output_dir), use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(),
+        seed=settings.seed,
         data_seed=settings.seed, max_steps=settings.max_steps,
         per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
         num_generations=settings.num_generations,
         max_completion_length=settings.max_completion_length,
         learning_rate=settings.learning_rate, beta=settings.beta,
+        scale_rewards=settings.scale_rewards,
         temperature=settings.temperature, top_k=0, top_p=1.0,
         logging_steps=settings.logging_steps, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)

@@ -121,7 +121,7 @@ def sample(model, tokenizer, queries: list[str], *, per_query: int, max_tokens: 
     out_queries, texts, lengths, clipped = [], [], [], []
     eos = tokenizer.eos_token_id
     for query in queries:
-        prompt = torch.tensor([prompt_ids(tokenizer, query)] * per_query)
+        prompt = torch.tensor([prompt_ids(tokenizer, query)] * per_query, device=model.device)
         generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
                                    temperature=temperature, top_k=0, top_p=1.0,
                                    max_new_tokens=max_tokens, eos_token_id=eos,

@@ -3,6 +3,7 @@ their exact model-forward counts, the verdict cache, grouping by value, and the 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from scorers import export_tiny, tiny_scorer
@@ -154,7 +155,7 @@ def test_trl_keyword_arguments_are_accepted_and_forwards_logged():
 ])
 def test_missing_or_empty_criteria_are_one_line_errors(columns, message):
     reward = CRMReward(tiny_scorer(), "round_robin")
-    with pytest.raises(CRMRewardError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+    with pytest.raises(CRMRewardError, match=re.escape(message)) as err:
         reward(prompts=[Q1, Q1], completions=["a", "b"], **columns)
     assert "\n" not in str(err.value)
 
