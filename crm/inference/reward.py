@@ -89,6 +89,7 @@ class CRMReward:
         self.criteria_column, self.reference_column = criteria_column, reference_column
         self.tau, self.log_odds = tau, log_odds
         self.cache = _LRU(cache_size)
+        self._fits: set = set()  # (criteria, query) pairs already checked against the length limit
         self.counts = Counter()
         # TRL names a reward's metrics after it (rewards/<name>/mean)
         self.__name__ = name or f"crm_{self.strategy}"
@@ -99,13 +100,18 @@ class CRMReward:
                  **columns) -> list[float]:
         rows = self.rows(prompts, completions, columns)
         before = self.scorer.counts["sequences"]
-        with torch.inference_mode():
-            if self.strategy == "pointwise":
-                rewards = self._pointwise(rows)
-            elif self.strategy == "reference":
-                rewards = self._against_reference(rows, self._references(rows, columns))
-            else:
-                rewards = self._round_robin(rows)
+        try:
+            with torch.inference_mode():
+                if self.strategy == "pointwise":
+                    rewards = self._pointwise(rows)
+                elif self.strategy == "reference":
+                    rewards = self._against_reference(rows, self._references(rows, columns))
+                else:
+                    rewards = self._round_robin(rows)
+        except CRMRewardError:
+            raise
+        except ValueError as exc:  # the scorer's: e.g. a long multi-turn context that cannot fit
+            raise CRMRewardError(str(exc)) from None
         forwards = self.scorer.counts["sequences"] - before
         self.counts.update(completions=len(rows), forwards=forwards)
         if "log_metric" in columns:  # TRL averages these per logging step
@@ -248,9 +254,8 @@ class CRMReward:
         never be scored."""
         encoder = self.scorer.encoder
         empty = (Message("assistant", ""),)
-        seen = {}
         for i, r in enumerate(rows):
-            if (r.criteria, r.query) in seen:
+            if (r.criteria, r.query) in self._fits:
                 continue
             if self.scorer.kind == "pairwise":
                 text = self.scorer.template.pairwise_text(r.criteria, r.query, empty, empty)
@@ -258,12 +263,13 @@ class CRMReward:
             else:
                 text = self.scorer.template.pointwise_text(r.criteria, r.query, empty)
                 room = encoder.min_turn_tokens
-            seen[(r.criteria, r.query)] = n = len(encoder.encode_text(text))
+            n = len(encoder.encode_text(text))
             if n + room > encoder.max_tokens:
                 raise CRMRewardError(
                     f"row {i}: the criteria and query take {n} tokens; the CRM reads at most "
                     f"{encoder.max_tokens} with {room} left for the answers: shorten the criteria "
                     "(the length policy never cuts them)")
+            self._fits.add((r.criteria, r.query))
 
 def load_crm_scorer(path: str | Path, **kwargs) -> CRMScorer:
     """CRMScorer.load, with anything that is not a CRM refused in one line."""

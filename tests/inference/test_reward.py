@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 from scorers import export_tiny, tiny_scorer
@@ -33,7 +35,11 @@ def call(reward, prompts, completions, criteria=CRITERIA, **columns):
 
 
 def test_crm_reward_is_exported_from_the_package_root():
-    assert crm.CRMReward is CRMReward
+    assert crm.CRMReward is CRMReward and "CRMReward" in dir(crm)
+    # loaded on first use: the plain-Python layers still import no torch
+    code = ("import sys, crm, crm.core.records; assert 'torch' not in sys.modules; "
+            "crm.CRMReward; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_symmetrised_win_probabilities_sum_to_one():
