@@ -202,7 +202,7 @@ def run(plan: Plan, out_dir: Path) -> dict:
                                                   spec.criteria, scorer, plan.grpo, about)
     result["guards"] = _guard_runs(plan, strategy, runs, one_run, crm_funcs, crm)
     result["evidence"] = evidence(plan, runs)
-    result["seconds"] = {"warm_up": policy_info.get("warm_up", {}).get("seconds"),
+    result["seconds"] = {"warm_up": (policy_info["warm_up"] or {}).get("seconds"),
                          "total": round(time.perf_counter() - started, 1)}
     return result
 

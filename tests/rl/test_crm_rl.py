@@ -93,3 +93,18 @@ def test_a_prompt_file_with_every_prompt_held_out_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="1 distinct prompts, all held out for the measurement"):
         run_cli("rl", run, [f"checkpoint={export_tiny(tmp_path / 'crm')}", f"prompts={data}"],
                 tmp_path / "run")
+
+
+def test_a_policy_of_ones_own_is_loaded_from_its_directory_without_warm_up(tmp_path):
+    from helpers import tiny_tokenizer
+
+    from crm.rl.demo import Plan, _initial_policy
+    from crm.rl.policy import PolicyConfig, build_policy
+
+    tokenizer = tiny_tokenizer()
+    build_policy(tokenizer, PolicyConfig(hidden_size=32, intermediate_size=64), 0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    plan = Plan(checkpoint="unused", prompts="unused", runs={}, policy_path=str(tmp_path))
+    policy, loaded, info = _initial_policy(plan, crm=None, answers={})
+    assert info == {"path": str(tmp_path), "warm_up": None}
+    assert policy.config.hidden_size == 32 and len(loaded) == len(tokenizer)
