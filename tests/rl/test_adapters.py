@@ -29,7 +29,7 @@ def server():
     """The server on 127.0.0.1, a free port, serving a pairwise tiny CRM's `reference` rewards."""
     reward = CRMReward(tiny_scorer(), "reference")
     httpd = make_server(reward, "127.0.0.1", free_port(), batch_wait=0.05)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield reward, f"http://127.0.0.1:{httpd.server_address[1]}/get_reward"
     httpd.shutdown()
