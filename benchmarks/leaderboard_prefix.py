@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 import crm_configs
 from crm.evaluation.leaderboard import judge, select
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.core.prompts import PromptTemplate
 from crm.core.records import read_lines
@@ -93,8 +93,8 @@ def main() -> None:
         arch.update(hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
                     num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32)
     torch.manual_seed(0)
-    crm = build_crm("pairwise", num_labels=2, pad_token_id=tokenizer.pad_token_id,
-                    arch={**arch, "vocab_size": len(tokenizer)}, attention="sdpa")
+    crm = build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig("pairwise"), num_labels=2,
+                    pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
     scorer = CRMScorer(crm.model, tokenizer, PromptTemplate(), "pairwise", max_tokens=1024,
                        batch_size=args.batch_size, device=torch.device("cpu"))
     n = len(selection.models)

@@ -45,7 +45,7 @@ from transformers import (AutoModelForSequenceClassification, Qwen3Config,
 from crm.training.module import CRMModule, OptimConfig
 from crm.models.backbone import init_non_persistent_buffers
 from crm.models.heads import PairwiseCRM
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.training.parallel import ParallelConfig, apply_fsdp
 
 LOADINGS = {"crm": (1, 2), "rank0_broadcast": (2,), "every_rank_whole": (2,)}
@@ -62,8 +62,8 @@ def resident_kib(field: str) -> int:
 
 def set_up(loading: str, path: str, mesh):
     """The model set up as `loading` does, sharded over `mesh` (None: one process)."""
-    build = partial(build_crm, "pairwise", num_labels=NUM_LABELS, pad_token_id=None, path=path,
-                    attention="sdpa")
+    build = partial(build_crm, ModelConfig(path=path, attention="sdpa"), LossConfig("pairwise"),
+                    num_labels=NUM_LABELS, pad_token_id=None)
     parallel = ParallelConfig(param_dtype="float32")
     if loading == "crm":
         module = CRMModule(build, OptimConfig(), parallel)

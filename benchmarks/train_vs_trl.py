@@ -1,10 +1,16 @@
-"""Pointwise CRM training throughput: crm (Lightning) vs TRL's RewardTrainer, same work, on CPU.
+"""Pointwise CRM training throughput: crm (Lightning) vs TRL's RewardTrainer, same work.
 
-Same tiny Qwen3 architecture (configs/model/tiny.yaml) and initial weights, the same demo pairs
-rendered to the same token ids (criteria + query + response, chosen and rejected), the same batch
-size, AdamW at the same lr. TRL gets the pairs pre-tokenized; crm streams and tokenizes them
-inside the timed loop, in-process (`--num-workers 1` moves tokenizing to a DataLoader worker:
-slower on 2 cores, where the worker takes a core from the two torch threads).
+Same Qwen3 architecture (the tiny one of configs/model/tiny.yaml, or `--arch qwen3-0.6b` ...) and
+initial weights, the same pairs (the demo's, or `--long`: benchmarks/long_pairs.py's rows of about
+1.1k tokens) rendered to the same token ids (criteria + query + response, chosen and rejected),
+the same batch size, AdamW at the same lr. TRL gets the pairs pre-tokenized; crm streams and
+tokenizes them inside the timed loop, in-process (`--num-workers 1` moves tokenizing to a
+DataLoader worker: slower on 2 cores, where the worker takes a core from the two torch threads).
+
+`--device cuda`: both in bf16 autocast over float32 weights, crm with its compiled decoder layers
+(`--compile`), TRL with fused AdamW, gradient checkpointing off in both (TRL's default is on) so
+that they run at equal memory, which the JSON shows (torch's peak allocated of each run); the
+timed window starts and ends on a synchronised GPU.
 
 Each run is its own process, as a user runs a trainer: runs that share a process inherit the
 previous runs' heap and library state (when this script ran them all in one process, TRL's first
@@ -15,6 +21,8 @@ Prints one JSON document: samples/s of each (median over rounds), their ratio, r
 of each, and crm's pairwise samples/s on the same data.
 
     python benchmarks/train_vs_trl.py [--steps 60] [--rounds 3] [--batch-size 32]
+    python benchmarks/train_vs_trl.py --device cuda --arch qwen3-0.6b --long --batch-size 8 \
+        --max-tokens 2048 --vocab-size 32000 --steps 30
 """
 from __future__ import annotations
 
@@ -43,7 +51,8 @@ from crm.data.reader import iter_shard
 from crm.data.shard import shard
 from crm.data.stream import StreamConfig
 from crm.data.transforms import TransformConfig, record_rng, train_example
-from crm.models.factory import build_crm
+from crm.models.backbone import ARCHITECTURES
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.training.datamodule import CRMDataModule
 from crm.training.module import CRMModule, OptimConfig
@@ -51,6 +60,17 @@ from crm.training.module import CRMModule, OptimConfig
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WARMUP_STEPS = 5
 LR = 1e-3
+
+
+def now() -> float:
+    """perf_counter on a synchronised device: the GPU runs behind the host, a window must not."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
 
 
 class StepTimer(L.Callback):
@@ -61,31 +81,38 @@ class StepTimer(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == WARMUP_STEPS and self.start is None:
-            self.start = time.perf_counter()
+            self.start = now()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if self.start is not None:
             self.samples += len(batch["keys"])
             self.real += int(batch["attention_mask"].sum())
             self.computed += batch["input_ids"].numel()
-            self.end = time.perf_counter()
+
+    def on_train_end(self, trainer, module):
+        self.end = now()
 
 
 def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args) -> dict:
     torch.manual_seed(0)
     transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
-    stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens)
-    data = CRMDataModule(manifest_dir, tokenizer, stream, transform, num_workers=args.num_workers)
-    make = lambda: build_crm(kind, num_labels=2, pad_token_id=tokenizer.pad_token_id,  # noqa: E731
-                             arch=arch, attention="sdpa")
-    module = CRMModule(make, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0))
+    stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens,
+                          num_workers=args.num_workers)
+    data = CRMDataModule(manifest_dir, tokenizer, stream, transform)
+    make = lambda: build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig(kind),  # noqa: E731
+                             num_labels=2, pad_token_id=tokenizer.pad_token_id)
+    cuda = args.device == "cuda"
+    module = CRMModule(make, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0),
+                       compile=cuda and args.compile)
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.steps,
+                        precision="bf16-mixed" if cuda else "32-true", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
     trainer.fit(module, datamodule=data)
     seconds = timer.end - timer.start
-    return {"samples_per_s": timer.samples / seconds, "real_token_fraction": timer.real / timer.computed}
+    return {"samples_per_s": timer.samples / seconds, "real_token_fraction": timer.real / timer.computed,
+            "peak_allocated_gib": peak_gib()}
 
 
 def trl_pairs(manifest, tokenizer, args) -> list[dict]:
@@ -117,18 +144,21 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
 
         def on_step_begin(self, targs, state, control, **kw):
             if state.global_step == WARMUP_STEPS and self.start is None:
-                self.start = time.perf_counter()
+                self.start = now()
 
         def on_step_end(self, targs, state, control, **kw):
             if self.start is not None:
-                self.end = time.perf_counter()
+                self.end = now()
 
     torch.manual_seed(0)
-    model = build_crm("pointwise", num_labels=1, pad_token_id=tokenizer.pad_token_id, arch=arch,
-                      attention="sdpa").model
+    model = build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig("pointwise"), num_labels=1,
+                      pad_token_id=tokenizer.pad_token_id).model
+    cuda = args.device == "cuda"
     config = RewardConfig(output_dir=out_dir, per_device_train_batch_size=args.batch_size,
                           max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant",
-                          weight_decay=0.0, use_cpu=True, report_to="none", save_strategy="no",
+                          weight_decay=0.0, use_cpu=not cuda, bf16=cuda,
+                          optim="adamw_torch_fused" if cuda else "adamw_torch",
+                          gradient_checkpointing=False, report_to="none", save_strategy="no",
                           logging_steps=10_000, disable_tqdm=True, dataloader_num_workers=0,
                           max_length=None, seed=0)
     timer = Timer()
@@ -144,7 +174,7 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
     trainer.train()
     timed_steps = args.steps - WARMUP_STEPS
     return {"samples_per_s": timed_steps * args.batch_size / (timer.end - timer.start),
-            "real_token_fraction": real / computed}
+            "real_token_fraction": real / computed, "peak_allocated_gib": peak_gib()}
 
 
 def tiny_config() -> dict:
@@ -152,14 +182,27 @@ def tiny_config() -> dict:
 
 
 def prepare(data_dir: str, args) -> None:
-    """Demo shards and the tiny model's tokenizer, shared by every run."""
-    tiny = tiny_config()
-    write_demo(f"{data_dir}/raw", seed=0, n_train=args.n_train, n_test=10, n_bench=4)
-    shard([f"{data_dir}/raw/train.jsonl"], f"{data_dir}/shards", shard_size=1000)
+    """The pairs' shards and a tokenizer trained on them, shared by every run: the demo's pairs
+    and the tiny model's vocabulary, or with --long benchmarks/long_pairs.py's."""
+    if args.long:
+        from long_pairs import write_long_pairs
+
+        raw = str(write_long_pairs(f"{data_dir}/raw/long.jsonl", args.n_train))
+    else:
+        write_demo(f"{data_dir}/raw", seed=0, n_train=args.n_train, n_test=10, n_bench=4)
+        raw = f"{data_dir}/raw/train.jsonl"
+    shard([raw], f"{data_dir}/shards", shard_size=1000)
     manifest = load_manifest(f"{data_dir}/shards")
     texts = (" ".join(r.a_criteria + r.b_criteria + tuple(m.content for m in r.model_a + r.model_b))
              for r in (parse_train(o) for s in manifest.shards("train") for _, o in iter_shard(s.url)))
-    train_bpe_tokenizer(texts, tiny["vocab_size"]).save_pretrained(f"{data_dir}/tokenizer")
+    vocab_size = args.vocab_size or tiny_config()["vocab_size"]
+    train_bpe_tokenizer(texts, vocab_size).save_pretrained(f"{data_dir}/tokenizer")
+
+
+def architecture(args, vocab_size: int) -> dict:
+    """The tiny model's fields, or a published Qwen3 size's, with the tokenizer's vocabulary."""
+    fields = tiny_config()["arch"] if args.arch == "tiny" else ARCHITECTURES[args.arch]
+    return {**fields, "vocab_size": vocab_size}
 
 
 def run_one(trainer: str, data_dir: str, args) -> dict:
@@ -167,7 +210,7 @@ def run_one(trainer: str, data_dir: str, args) -> dict:
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     tokenizer = AutoTokenizer.from_pretrained(f"{data_dir}/tokenizer", local_files_only=True)
-    arch = {**tiny_config()["arch"], "vocab_size": len(tokenizer)}
+    arch = architecture(args, len(tokenizer))
     if trainer == "trl":
         rows = trl_pairs(load_manifest(f"{data_dir}/shards"), tokenizer, args)
         with tempfile.TemporaryDirectory() as out_dir:
@@ -179,7 +222,9 @@ def run_one(trainer: str, data_dir: str, args) -> dict:
 def in_subprocess(trainer: str, data_dir: str, args) -> dict:
     command = [sys.executable, __file__, "--run", trainer, "--data", data_dir,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-               "--max-tokens", str(args.max_tokens), "--num-workers", str(args.num_workers)]
+               "--max-tokens", str(args.max_tokens), "--num-workers", str(args.num_workers),
+               "--device", args.device, "--arch", args.arch,
+               *(["--compile"] if args.compile else []), *(["--long"] if args.long else [])]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{trainer} run failed:\n{done.stderr[-3000:]}")
@@ -195,6 +240,11 @@ def main() -> None:
     p.add_argument("--n-train", type=int, default=3000)
     p.add_argument("--num-workers", type=int, default=0,
                    help="crm's DataLoader workers (0: tokenize in-process)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--arch", default="tiny", help="tiny (configs/model/tiny.yaml) or a published Qwen3 size")
+    p.add_argument("--long", action="store_true", help="long rows (benchmarks/long_pairs.py), not the demo's")
+    p.add_argument("--vocab-size", type=int, help="the BPE trained on the pairs (default: the tiny model's)")
+    p.add_argument("--compile", action="store_true", help="crm's compiled decoder layers (CUDA)")
     p.add_argument("--run", choices=["crm_pointwise", "crm_pairwise", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -211,18 +261,23 @@ def main() -> None:
         pairwise = in_subprocess("crm_pairwise", tmp, args)
 
     median = lambda runs, k: round(statistics.median(r[k] for r in runs), 2)  # noqa: E731
+    max_of = lambda runs, k: None if runs[0][k] is None else round(max(r[k] for r in runs), 2)  # noqa: E731
     result = {
         "setup": {"arch": theirs[0]["arch"], "batch_size": args.batch_size,
                   "steps_per_run": args.steps, "timed_steps": args.steps - WARMUP_STEPS,
                   "rounds": args.rounds, "pairs_available": theirs[0]["pairs_available"],
                   "torch_threads": torch.get_num_threads(), "crm_num_workers": args.num_workers,
-                  "process_per_run": True},
+                  "process_per_run": True, "device": args.device, "long_rows": args.long,
+                  "crm_compiled": args.device == "cuda" and args.compile,
+                  "gradient_checkpointing": False},
         "crm_pointwise": {"samples_per_s": median(ours, "samples_per_s"),
                           "real_token_fraction": median(ours, "real_token_fraction"),
-                          "runs": [round(r["samples_per_s"], 2) for r in ours]},
+                          "runs": [round(r["samples_per_s"], 2) for r in ours],
+                          "peak_allocated_gib": max_of(ours, "peak_allocated_gib")},
         "trl_reward_trainer": {"samples_per_s": median(theirs, "samples_per_s"),
                                "real_token_fraction": median(theirs, "real_token_fraction"),
-                               "runs": [round(r["samples_per_s"], 2) for r in theirs]},
+                               "runs": [round(r["samples_per_s"], 2) for r in theirs],
+                               "peak_allocated_gib": max_of(theirs, "peak_allocated_gib")},
         "crm_pairwise": {"samples_per_s": round(pairwise["samples_per_s"], 2),
                          "real_token_fraction": round(pairwise["real_token_fraction"], 4)},
     }

@@ -18,17 +18,28 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's in-process caches emptied, so that a test sees the graphs it builds and many
+    tests' graphs never add up to dynamo's recompile limit; inductor's on-disk cache keeps the
+    rebuild quick."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
     """A paths.root_dir whose cache holds the (small) demo data, generated once per session."""
     from hydra import compose, initialize_config_module
 
-    from crm.data.demo import prepare_demo
+    import crm.cli.train  # noqa: F401  (registers train.yaml's schema)
+    from crm.data.demo import DemoConfig, prepare_demo
 
     root = tmp_path_factory.mktemp("crm_root")
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=[*TINY_DEMO, f"paths.root_dir={root}"])
-    shard_dir = prepare_demo(cfg.data.path, **cfg.data.demo)
+    shard_dir = prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))
     assert (shard_dir / "manifest.json").is_file()
     return root
 

@@ -6,7 +6,7 @@ from helpers import run_as_job, tiny_tokenizer
 
 from crm.core.prompts import PromptTemplate
 from crm.inference.scorer import CRMScorer
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, intermediate_size=64, max_position_embeddings=1024)
@@ -16,8 +16,8 @@ def tiny_scorer(kind: str = "pairwise", num_labels: int = 2, seed: int = 0, max_
                 tokenizer=None, **kwargs) -> CRMScorer:
     tok = tokenizer or tiny_tokenizer()
     torch.manual_seed(seed)
-    crm = build_crm(kind, num_labels=num_labels, pad_token_id=tok.pad_token_id,
-                    arch={**TINY, "vocab_size": len(tok)}, attention="sdpa")
+    crm = build_crm(ModelConfig(arch=TINY, attention="sdpa"), LossConfig(kind),
+                    num_labels=num_labels, pad_token_id=tok.pad_token_id, vocab_size=len(tok))
     return CRMScorer(crm.model, tok, PromptTemplate(), kind, max_tokens, device=torch.device("cpu"),
                      **kwargs)
 

@@ -139,65 +139,11 @@ def link(criteria, contrast, topics, describe: str, k: int) -> str:
 # -- the page -------------------------------------------------------------------------------------
 
 def build(service: Leaderboards, default: dict, queue_size: int = 64) -> gr.Blocks:
-    """The page. `default` is the default board (DEFAULT_CRITERIA over every topic)."""
+    """The page. `default` is the default board (DEFAULT_CRITERIA over every topic).
+
+    Its handlers return {component: value}: a component left out keeps what it shows."""
     topics = list(service.topic_counts)
     csv_dir = Path(tempfile.mkdtemp(prefix="crm-usl-"))
-
-    def generate(criteria_text, contrast_text, chosen, describe, k,
-                 progress=gr.Progress()) -> tuple:
-        """The customizable board; a BoardError leaves the board as it was, with the message."""
-        def report(done, total):
-            progress((done, total), desc="The CRM is judging the benchmark", unit="queries")
-
-        try:
-            criteria = service.criteria(criteria_text)
-            contrast = service.criteria(contrast_text, "contrast criteria") if (
-                contrast_text or "").strip() else ()
-            choice = service.choose(chosen, describe, k)
-            doc = service.board(criteria, choice, report)
-            versus = service.contrast(criteria, contrast, choice, report) if contrast else None
-        except BoardError as exc:
-            return (f"**Cannot rank:** {text(str(exc))}", *[gr.skip()] * (len(outputs) - 1))
-        except Exception:
-            log.exception("generate failed")
-            return ("**Internal error:** the server logged it; please report it.",
-                    *[gr.skip()] * (len(outputs) - 1))
-        frame = table(doc)
-        models = list(service.models)
-        query = link(criteria, contrast, choice.topics, choice.describe, k)
-        return ("", info(doc), frame, chart(doc),
-                gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
-                f"[Link to this board]({query})",
-                *_contrast_outputs(versus),
-                gr.update(choices=models, value=None), None, (criteria, choice))
-
-    def drill(model, state) -> tuple:
-        if not model or state is None:
-            return gr.skip(), ""
-        try:
-            rows = service.examples(*state, model)
-        except BoardError as exc:
-            return gr.skip(), f"**Cannot show examples:** {text(str(exc))}"
-        except Exception:
-            log.exception("drill-down failed")
-            return gr.skip(), "**Internal error:** the server logged it; please report it."
-        frame = pd.DataFrame([{"Query": r["query"], "Response": r["response"],
-                               "Baseline": r["baseline"], "P(win)": r["p_win"],
-                               "Verdict": r["result"], "Topic": r["topic"]} for r in rows])
-        return frame, ""
-
-    def from_url(request: gr.Request, progress=gr.Progress()) -> tuple:
-        """A shared link: fill the form from the query string and generate."""
-        params = dict(request.query_params) if request else {}
-        if not any(key in params for key in URL_KEYS):
-            return tuple(gr.skip() for _ in form + outputs)
-        chosen = [t for t in params.get("topics", "").split("\n") if t] or topics
-        describe = params.get("describe", "")
-        k = int(params["k"]) if params.get("k", "").isdigit() else DEFAULT_K
-        criteria_text, contrast_text = params.get("criteria", ""), params.get("contrast", "")
-        board = generate(criteria_text, contrast_text, chosen, describe, k, progress)
-        return (criteria_text, contrast_text, [t for t in chosen if t in topics], describe,
-                max(1, min(k, len(service.records))), gr.update(selected="custom"), *board)
 
     with gr.Blocks(title=TITLE, analytics_enabled=False) as page:
         gr.Markdown(f"# {TITLE}\nLLMs ranked by a Customizable Reward Model for *your* "
@@ -253,33 +199,93 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64) -> gr.Bloc
                                             elem_id="drill")
                 state = gr.State()
 
-        form = [criteria, contrast, chosen, describe, k, tabs]
-        outputs = [status, board_info, board, board_chart, download, share, versus_group,
-                   versus_info, left, right, model, examples, state]
+        def generate(criteria_text, contrast_text, chosen_topics, describe_text, k_value,
+                     progress=gr.Progress()) -> dict:
+            """The customizable board; a BoardError leaves the board as it was, with the message."""
+            def report(done, total):
+                progress((done, total), desc="The CRM is judging the benchmark", unit="queries")
+
+            try:
+                criteria_set = service.criteria(criteria_text)
+                contrast_set = service.criteria(contrast_text, "contrast criteria") if (
+                    contrast_text or "").strip() else ()
+                choice = service.choose(chosen_topics, describe_text, k_value)
+                doc = service.board(criteria_set, choice, report)
+                versus = (service.contrast(criteria_set, contrast_set, choice, report)
+                          if contrast_set else None)
+            except BoardError as exc:
+                return {status: f"**Cannot rank:** {text(str(exc))}"}
+            except Exception:
+                log.exception("generate failed")
+                return {status: "**Internal error:** the server logged it; please report it."}
+            frame = table(doc)
+            query = link(criteria_set, contrast_set, choice.topics, choice.describe, k_value)
+            return {status: "", board_info: info(doc), board: frame, board_chart: chart(doc),
+                    download: gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
+                    share: f"[Link to this board]({query})", **contrast_view(versus),
+                    model: gr.update(choices=list(service.models), value=None), examples: None,
+                    state: (criteria_set, choice)}
+
+        def contrast_view(versus: dict | None) -> dict:
+            if versus is None:
+                return {versus_group: gr.update(visible=False), versus_info: "", left: None,
+                        right: None}
+            first, second = versus["boards"]
+            tau = versus["kendall_tau"]
+            sides = [pd.DataFrame([{"Rank": r["rank"], "Model": r["model"],
+                                    "Overall (%)": _pct(r["overall"]["win_rate"])}
+                                   for r in b["rows"]]) for b in (first, second)]
+            return {versus_group: gr.update(visible=True),
+                    versus_info: (f"Kendall tau between the two rankings: **{tau['tau']:+.3f}** "
+                                  f"(p = {tau['p_value']:.2g}, {tau['models']} models; -1: one "
+                                  "reverses the other)"),
+                    left: sides[0], right: sides[1]}
+
+        def drill(model_name, board_state) -> dict:
+            if not model_name or board_state is None:
+                return {drill_status: ""}
+            try:
+                rows = service.examples(*board_state, model_name)
+            except BoardError as exc:
+                return {drill_status: f"**Cannot show examples:** {text(str(exc))}"}
+            except Exception:
+                log.exception("drill-down failed")
+                return {drill_status: "**Internal error:** the server logged it; please report it."}
+            return {examples: pd.DataFrame([{"Query": r["query"], "Response": r["response"],
+                                             "Baseline": r["baseline"], "P(win)": r["p_win"],
+                                             "Verdict": r["result"], "Topic": r["topic"]}
+                                            for r in rows]),
+                    drill_status: ""}
+
+        def from_url(request: gr.Request, progress=gr.Progress()) -> dict:
+            """A shared link: fill the form from the query string and generate."""
+            params = dict(request.query_params) if request else {}
+            if not any(key in params for key in URL_KEYS):
+                return gr.skip()  # every output as it is
+            picked = [t for t in params.get("topics", "").split("\n") if t] or topics
+            k_value = int(params["k"]) if params.get("k", "").isdigit() else DEFAULT_K
+            form = {criteria: params.get("criteria", ""), contrast: params.get("contrast", ""),
+                    chosen: [t for t in picked if t in topics],
+                    describe: params.get("describe", ""),
+                    k: max(1, min(k_value, len(service.records))),
+                    tabs: gr.update(selected="custom")}
+            return {**form, **generate(form[criteria], form[contrast], picked, form[describe],
+                                       k_value, progress)}
+
+        board_outputs = [status, board_info, board, board_chart, download, share, versus_group,
+                         versus_info, left, right, model, examples, state]
         select_all.click(lambda: topics, outputs=chosen, queue=False, api_visibility="private")
         clear_all.click(lambda: [], outputs=chosen, queue=False, api_visibility="private")
         boards = dict(concurrency_limit=None, concurrency_id="boards")
-        button.click(generate, [criteria, contrast, chosen, describe, k], outputs,
+        button.click(generate, [criteria, contrast, chosen, describe, k], board_outputs,
                      api_visibility="private", show_progress_on=[board], **boards)
         model.change(drill, [model, state], [examples, drill_status], api_visibility="private",
                      **boards)
-        page.load(from_url, None, form + outputs, api_visibility="private", **boards)
+        page.load(from_url, None, [criteria, contrast, chosen, describe, k, tabs, *board_outputs],
+                  api_visibility="private", **boards)
         gr.api(_rank_endpoint(service), api_name="rank", **boards)
     page.queue(max_size=queue_size, default_concurrency_limit=None)
     return page
-
-
-def _contrast_outputs(versus: dict | None) -> tuple:
-    if versus is None:
-        return gr.update(visible=False), "", None, None
-    first, second = versus["boards"]
-    tau = versus["kendall_tau"]
-    text = (f"Kendall tau between the two rankings: **{tau['tau']:+.3f}** "
-            f"(p = {tau['p_value']:.2g}, {tau['models']} models; -1: one reverses the other)")
-    sides = [pd.DataFrame([{"Rank": r["rank"], "Model": r["model"],
-                            "Overall (%)": _pct(r["overall"]["win_rate"])} for r in b["rows"]])
-             for b in (first, second)]
-    return gr.update(visible=True), text, *sides
 
 
 def _rank_endpoint(service: Leaderboards) -> Callable:

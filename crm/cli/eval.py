@@ -11,13 +11,15 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import checkpoint_argument, load_scorer, one_line_config_errors
+from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, load_scorer,
+                            one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.evaluation.accuracy import evaluate_files
@@ -25,10 +27,28 @@ from crm.evaluation.accuracy import evaluate_files
 log = logging.getLogger("crm.eval")
 
 
+@dataclass
+class EvalData:
+    test: list[str] = MISSING
+
+
+@dataclass
+class EvalConfig(ScorerSettings):
+    """configs/eval.yaml's keys and their types."""
+
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    data: EvalData = MISSING
+
+
+register_schema("eval", EvalConfig)
+
+
 def evaluate(cfg: DictConfig) -> dict:
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    paths = list(cfg.data.test or [])
+    cfg = settings(cfg)
+    paths = cfg.data.test
     if not paths:
         raise ConfigError("no test files: crm-eval checkpoint=DIR data.test=[FILE.jsonl,...]")
     for path in paths:

@@ -14,19 +14,51 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import checkpoint_argument, load_scorer, one_line_config_errors
+from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, load_scorer,
+                            one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.evaluation.leaderboard import Bootstrap, leaderboard, select
 from crm.evaluation.render import markdown, plot
 
 log = logging.getLogger("crm.evaluation.leaderboard")
+
+
+@dataclass
+class Labels:
+    criteria: str = MISSING
+    contrast: str = MISSING
+
+
+@dataclass
+class LeaderboardConfig(ScorerSettings):
+    """configs/leaderboard.yaml's keys and their types."""
+
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    bench: str = MISSING
+    baseline: str = MISSING
+    criteria: Any = MISSING  # a list of lines, or one string (one criterion): `_lines`
+    topics: Any = MISSING  # null, a list, or one string
+    models: Any = MISSING  # null, a list, or one string
+    contrast: Any = MISSING  # null, a list of lines, or one string
+    default: bool = MISSING
+    default_criteria: list[str] = MISSING
+    labels: Labels = MISSING
+    both_orders: bool = MISSING
+    interval: Bootstrap = field(default_factory=Bootstrap)
+    strict: bool = MISSING
+
+
+register_schema("leaderboard", LeaderboardConfig)
 
 
 def _lines(value) -> list[str]:
@@ -38,7 +70,7 @@ def _lines(value) -> list[str]:
     return [str(v) for v in value]
 
 
-def criteria_sets(cfg: DictConfig) -> tuple[list[str], list[str], tuple[str, str]]:
+def criteria_sets(cfg: LeaderboardConfig) -> tuple[list[str], list[str], tuple[str, str]]:
     """(criteria, contrast, labels) as the config asks."""
     criteria, contrast = _lines(cfg.criteria), _lines(cfg.contrast)
     if cfg.default:
@@ -55,6 +87,7 @@ def criteria_sets(cfg: DictConfig) -> tuple[list[str], list[str], tuple[str, str
 def run(cfg: DictConfig) -> dict:
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    cfg = settings(cfg)
     criteria, contrast, labels = criteria_sets(cfg)
     topics = None if cfg.topics is None else _lines(cfg.topics)
     models = None if cfg.models is None else _lines(cfg.models)
@@ -69,7 +102,7 @@ def run(cfg: DictConfig) -> dict:
     scorer = load_scorer(cfg)
     result = leaderboard(scorer, selection, criteria, contrast or None,
                          both_orders=cfg.both_orders, labels=labels,
-                         interval=Bootstrap(**cfg.interval))
+                         interval=cfg.interval)
     result.update(model=str(cfg.checkpoint), kind=scorer.kind,
                   sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
                   wall_seconds=round(time.time() - started, 1))

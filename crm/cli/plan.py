@@ -8,34 +8,65 @@ their assumptions are in crm/perf/flops.py and crm/perf/memory.py.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import model_arch
+from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
 from crm.core.files import write_json
+from crm.models.factory import ModelConfig
 from crm.perf.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
 from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
 
 
-def model_shape(model: DictConfig, kind: str) -> ModelShape:
-    """The shape of the model group's classifier: from model.path's config.json, else model.arch."""
-    from crm.models.backbone import build_classifier
+@dataclass
+class ClusterShape:
+    num_nodes: int = MISSING
+    devices: int = MISSING
 
+
+@dataclass
+class PlanConfig:
+    """configs/plan.yaml's keys and their types."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    trainer: ClusterShape = MISSING
+    seq_len: int = MISSING
+    micro_batch_size: int = MISSING
+    global_batch_size: int | None = MISSING
+    precision: str = MISSING
+    activation_checkpointing: bool = MISSING
+    compile: bool = MISSING
+    strategy: str = MISSING
+    gpu_memory_gib: float = MISSING
+    headroom_fraction: float = MISSING
+    reserved_gib: float = MISSING
+    gpu: str = MISSING
+    peak_tflops: float | None = MISSING
+    mfu: float = MISSING
+    kind: str = MISSING
+
+
+register_schema("plan", PlanConfig)
+
+
+def model_shape(model: ModelConfig, kind: str) -> ModelShape:
+    """The shape of the model group's classifier: from model.path's config.json, else model.arch."""
     num_labels = 1 if kind == "pointwise" else 2
     if model.path:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model.path, num_labels=num_labels, local_files_only=True)
         return ModelShape.from_config(config)
-    return ModelShape.from_model(build_classifier(
-        num_labels=num_labels, pad_token_id=0, arch=model_arch(model, model.vocab_size),
-        attention="sdpa", device="meta"))
+    return ModelShape.from_arch(model.architecture(model.vocab_size), num_labels=num_labels)
 
 
-def checkpoint_bytes(model: DictConfig) -> int:
+def checkpoint_bytes(model: ModelConfig) -> int:
     """Bytes per parameter of the weights at model.path (its config's dtype); without a path, of a
     Qwen3 release (bfloat16)."""
     if not model.path:
@@ -47,15 +78,26 @@ def checkpoint_bytes(model: DictConfig) -> int:
 
 
 def plan(cfg: DictConfig) -> dict:
+    cfg = settings(cfg)
     if cfg.kind not in ROWS_PER_RECORD:
         raise ValueError(f"kind={cfg.kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
     shape = model_shape(cfg.model, cfg.kind)
     world = int(cfg.trainer.num_nodes) * int(cfg.trainer.devices)
+    accumulating = True
+    if cfg.global_batch_size is not None:
+        per_step = cfg.micro_batch_size * world
+        if cfg.global_batch_size % per_step:
+            raise ValueError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
+                             f"micro_batch_size={cfg.micro_batch_size} x {world} GPUs")
+        accumulating = cfg.global_batch_size > per_step
     memory = memory_plan(shape, world=world, seq_len=cfg.seq_len,
                          micro_batch_size=cfg.micro_batch_size, kind=cfg.kind,
-                         precision=cfg.precision,
+                         precision=cfg.precision, strategy=cfg.strategy,
                          activation_checkpointing=cfg.activation_checkpointing,
-                         flash=cfg.model.attention != "eager", gpu_memory_gib=cfg.gpu_memory_gib,
+                         compiled=cfg.compile,
+                         attention="eager" if cfg.model.attention == "eager" else "sdpa",
+                         accumulating=accumulating,
+                         gpu_memory_gib=cfg.gpu_memory_gib,
                          headroom_fraction=cfg.headroom_fraction, reserved_gib=cfg.reserved_gib)
     host = host_startup_plan(shape, world=world, devices=int(cfg.trainer.devices),
                              checkpoint_bytes=checkpoint_bytes(cfg.model),
@@ -92,14 +134,17 @@ def format_plan(p: dict) -> str:
     yes = {True: "yes", False: "NO"}
     ckpt = mem["activation_checkpointing"]
     pd, gd, od = dtype[b["param"]], dtype[b["grad"]], dtype[b["optimizer"] // 2]
+    fsdp = mem["strategy"] == "fsdp"
+    sharded = f", sharded / {world}" if fsdp else ", whole on each GPU"
+    in_flight = ("unsharded in flight (root + 2 layers, 1 grad)" if fsdp
+                 else "bf16 weight copies (autocast)")
     rows = [
-        (f"parameters ({pd}, sharded / {world})", mem["params_gib"], ""),
-        (f"gradients ({gd}, sharded / {world})", mem["grads_gib"], ""),
-        (f"optimizer (AdamW 2 x {od}, sharded / {world})", mem["optimizer_gib"], ""),
-        ("unsharded in flight (root + 2 layers, 1 grad)", mem["unsharded_gib"], ""),
+        (f"parameters ({pd}{sharded})", mem["params_gib"], ""),
+        (f"gradients ({gd}{sharded})", mem["grads_gib"], ""),
+        (f"optimizer (AdamW 2 x {od}{sharded})", mem["optimizer_gib"], ""),
+        (in_flight, mem["unsharded_gib"], ""),
         ("activations, checkpointing on", mem["activations_checkpointed_gib"], ""),
         ("activations, checkpointing off", mem["activations_full_gib"], ""),
-        ("head (final norm, logits)", mem["head_gib"], ""),
         ("total, checkpointing on", mem["total_checkpointed_gib"],
          f"   fits: {yes[mem['fits_checkpointed']]}" + ("  <- configured" if ckpt else "")),
         ("total, checkpointing off", mem["total_full_gib"],
@@ -115,11 +160,13 @@ def format_plan(p: dict) -> str:
     lines = [
         f"crm-plan: {m['name']} {p['kind']}, {p['num_nodes']} node(s) x {p['devices']} GPUs, "
         f"seq {mem['seq_len']}, micro batch {mem['micro_batch_size']} "
-        f"({mem['rows_per_micro_batch']} row(s)), {mem['precision']}, "
-        f"checkpointing {'on' if ckpt else 'off'}",
+        f"({mem['rows_per_micro_batch']} row(s)), {mem['precision']} {mem['strategy']}, "
+        f"checkpointing {'on' if ckpt else 'off'}, layers {'compiled' if mem['compiled'] else 'eager'}",
         f"model: {m['total_params'] / 1e9:.3f} B parameters, {m['non_embedding_params'] / 1e9:.3f} B "
         f"non-embedding; {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads x "
         f"{m['head_dim']} ({m['kv_heads']} kv), intermediate {m['intermediate']}",
+        f"activations: {mem['layer_bytes_per_token']:,} bytes per token per decoder layer "
+        f"({mem['compute']}, {'compiled' if mem['compiled'] else 'eager'}; crm/perf/memory.py)",
         "",
         f"{'per GPU':<46}{'GiB':>8}",
         *(f"{label:<46}{gib:>8.2f}{note}" for label, gib, note in rows),
@@ -148,6 +195,7 @@ def format_plan(p: dict) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="plan")
+@one_line_config_errors
 def main(cfg: DictConfig) -> None:
     result = plan(cfg)
     path = Path(HydraConfig.get().runtime.output_dir) / "plan.json"

@@ -1,77 +1,177 @@
 """crm-train: compose the config, then data -> tokenizer -> model -> fit -> export -> evaluate
-(metrics.json). `train` reads top to bottom as the run does; the helpers below it only translate
-config groups into the library's arguments."""
+(metrics.json). `train` reads top to bottom as the run does. The config's schema is TrainConfig
+below: each group and section is the dataclass of the code that reads it (crm/cli/common.py)."""
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from crm.cli.common import model_arch, one_line_config_errors
+from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
-from crm.data.demo import prepare_demo
+from crm.data.demo import DemoConfig, prepare_demo
 from crm.data.manifest import load_manifest
 from crm.data.reader import training_texts
-from crm.data.stream import StreamConfig
-from crm.data.transforms import TransformConfig
+from crm.data.stream import StreamConfig, StreamSettings
+from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
 from crm.evaluation.accuracy import evaluate_files
 from crm.inference.scorer import CRMScorer
-from crm.models.backbone import DTYPES
-from crm.models.factory import build_crm
+from crm.models import compile as compiling
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training.callbacks import CheckpointCard, ExportBest, ShardingReport
 from crm.training.datamodule import CRMDataModule
-from crm.training.loggers import make_logger
+from crm.training.loggers import LoggerConfig, make_logger
 from crm.training.module import CRMModule, OptimConfig
 from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
-from crm.training.trainer import batch_plan, make_trainer, resolve_resume, world_size
+from crm.training.trainer import batch_plan, device_type, make_trainer, resolve_resume, world_size
+
+log = logging.getLogger(__name__)
+
+
+# -- the config's schema: types here, values and their documentation in configs/ -----------------
+
+@dataclass
+class NoiseConfig:
+    name: str = MISSING  # configs/noise/<name>.yaml: the criteria noise
+
+    def __post_init__(self):
+        if self.name not in NOISES:
+            raise ValueError(f"noise={self.name}: expected one of {', '.join(NOISES)}")
+
+
+@dataclass
+class DirectionConfig:
+    name: str = MISSING  # configs/direction/<name>.yaml: original | reverse | random | curriculum
+    warmup: str = "original"  # the curriculum's first direction, for warmup_steps optimizer steps
+    warmup_steps: int = 0
+    then: str | None = None  # the curriculum's direction after them; None: `name` is the direction
+
+    def __post_init__(self):
+        for key, value in (("then" if self.then else "name", self.then or self.name),
+                           ("warmup", self.warmup)):
+            if value not in DIRECTIONS:
+                raise ValueError(f"direction.{key}={value}: expected one of {', '.join(DIRECTIONS)}")
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # configs/data/<name>.yaml
+    path: str = MISSING  # the shard dir (manifest.json)
+    demo: DemoConfig | None = None  # data=demo: generated and sharded into `path` on first use
+    test_files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PreemptionConfig:
+    signal: str = MISSING  # the signal's name
+    requeue_command: str = MISSING
+
+    def __post_init__(self):
+        if not isinstance(getattr(signal, self.signal, None), signal.Signals):
+            raise ValueError(f"preemption.signal={self.signal}: not a signal name (SIGUSR1, ...)")
+
+
+@dataclass
+class PerfConfig:
+    log_every_n_steps: int = MISSING
+    gpu: str | None = MISSING
+    peak_tflops: float | None = MISSING
+
+
+@dataclass
+class TrainConfig:
+    """configs/train.yaml: one field per key, in its order; a group is its options' schema."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    noise: NoiseConfig = MISSING
+    direction: DirectionConfig = MISSING
+    data: DataConfig = MISSING
+    trainer: dict[str, Any] = MISSING  # Lightning Trainer arguments, passed as they are
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    seed: int = MISSING
+    torch_threads: int | None = MISSING
+    global_batch_size: int = MISSING
+    micro_batch_size: Any = MISSING  # a number, or auto
+    max_micro_batch_size: int = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    transform: TransformSettings = field(default_factory=TransformSettings)
+    stream: StreamSettings = field(default_factory=StreamSettings)
+    template: PromptTemplate = field(default_factory=PromptTemplate)
+    compile: Any = MISSING  # auto, true or false (crm.models.compile); Any: a str would take true as "True"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    preemption: PreemptionConfig = MISSING
+    perf: PerfConfig = MISSING
+    callbacks: dict[str, Any] = MISSING  # name -> a `_target_` spec
+    val_every_n_steps: int = MISSING
+    early_stopping_patience: int = MISSING
+    save_every_n_steps: int = MISSING
+    resume: Any = MISSING  # auto, a path, or false
+    export: bool = MISSING
+    evaluate: bool = MISSING
+
+
+register_schema("train", TrainConfig)
 
 
 def train(cfg: DictConfig) -> dict | None:
     """The run; its metrics on global rank 0, None on the other ranks."""
     started = time.time()
+    # Rows of varying length fragment CUDA's caching allocator; expandable segments let freed blocks
+    # grow into the next batch's sizes (an H100 at 0.6B reserved 55.8 GiB instead of 70, at the same
+    # speed: docs/PERFORMANCE.md section 4). Read when CUDA first allocates, so set before anything.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run: TrainConfig = settings(cfg)
     check_config(cfg)
-    L.seed_everything(cfg.seed, workers=True)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    compile = compile_layers(run)
+    L.seed_everything(run.seed, workers=True)
+    if run.torch_threads:
+        torch.set_num_threads(run.torch_threads)
 
-    shard_dir = prepare_demo(cfg.data.path, **cfg.data.demo) if cfg.data.demo else Path(cfg.data.path)
-    template = prompt_template(cfg)
+    shard_dir = prepare_demo(run.data.path, run.data.demo) if run.data.demo else Path(run.data.path)
     tokenizer = load_or_train_tokenizer(
-        cfg.model.tokenizer or cfg.model.path, run_dir / "tokenizer", vocab_size=cfg.model.vocab_size,
-        texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), template))
-    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    micro_batch, accum = batch_plan(cfg.global_batch_size, cfg.micro_batch_size,
-                                    world_size(trainer_args), cfg.max_micro_batch_size)
-    datamodule = CRMDataModule(shard_dir, tokenizer, stream_config(cfg, template, micro_batch),
-                               transform_config(cfg, accum), num_workers=cfg.stream.num_workers)
+        run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
+        texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
+    micro_batch, accum = batch_plan(run.global_batch_size, run.micro_batch_size,
+                                    world_size(run.trainer), run.max_micro_batch_size)
+    stream = StreamConfig(**asdict(run.stream), batch_size=micro_batch, mode=run.loss.kind,
+                          seed=run.seed, template=run.template)
+    datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum))
     run_config = OmegaConf.to_container(cfg, resolve=True)
-    module = CRMModule(partial(build_crm, cfg.loss.kind, **crm_kwargs(cfg, tokenizer, datamodule)),
-                       OptimConfig(**cfg.optim), ParallelConfig(**cfg.parallel),
-                       run_config=run_config)
-    sweep = sweep_info(cfg)
-    logger = make_logger(OmegaConf.to_container(cfg.logger), run_dir, cfg.name, sweep)
+    module = CRMModule(partial(build_crm, run.model, run.loss,
+                               num_labels=datamodule.transform.num_labels,
+                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer)),
+                       run.optim, run.parallel, run_config=run_config, compile=compile)
+    sweep = sweep_info(run)
+    logger = make_logger(run.logger, run_dir, run.name, sweep)
     if logger:
         logger.log_hyperparams({**run_config, "sweep": sweep or {}})
-    callbacks = run_callbacks(cfg, run_dir, tokenizer, template, with_logger=bool(logger))
-    trainer = make_trainer(trainer_args, accumulation=accum, val_every_n_steps=cfg.val_every_n_steps,
+    callbacks = run_callbacks(run, run_dir, tokenizer, with_logger=bool(logger))
+    trainer = make_trainer(run.trainer, accumulation=accum, val_every_n_steps=run.val_every_n_steps,
                            callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir)
-    resumed_from = resolve_resume(cfg.resume, run_dir)
+    resumed_from = resolve_resume(run.resume, run_dir)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resumed_from, weights_only=True)
     # Export happened inside fit (ExportBest, run_dir/export): gathering FSDP shards needs every rank.
 
@@ -89,9 +189,9 @@ def train(cfg: DictConfig) -> dict | None:
     }
     if not trainer.is_global_zero:
         return None
-    if "export" in callbacks and not metrics["preempted"] and cfg.evaluate and cfg.data.test_files:
+    if "export" in callbacks and not metrics["preempted"] and run.evaluate and run.data.test_files:
         scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-        metrics["eval"], _ = evaluate_files(scorer, cfg.data.test_files)
+        metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
     metrics["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", metrics)
     return metrics
@@ -118,43 +218,34 @@ def check_config(cfg: DictConfig) -> None:
                           "`crm-data shard FILE.jsonl DIR`)")
 
 
-def prompt_template(cfg: DictConfig) -> PromptTemplate:
-    """crm's prompt wording with the fields `template` sets (null keeps the default)."""
-    fields = OmegaConf.to_container(cfg.template, resolve=True)
+def compile_layers(run: TrainConfig) -> bool:
+    """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
+    where inductor can; compile=true where it cannot is refused at start)."""
+    device = device_type(run.trainer)
     try:
-        return PromptTemplate(**{k: v for k, v in fields.items() if v is not None})
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"template: {exc}") from None
+        wanted = compiling.resolve(run.compile, device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    reason = compiling.why_not_compilable(device) if wanted else None
+    if reason and run.compile is True:
+        raise ConfigError(f"compile=true on {device}: {reason}; set compile=false (or auto)")
+    if reason:
+        log.warning("compile=auto: decoder layers stay eager on %s: %s", device, reason)
+        return False
+    return wanted
 
 
-def stream_config(cfg: DictConfig, template: PromptTemplate, micro_batch: int) -> StreamConfig:
-    s = cfg.stream
-    return StreamConfig(batch_size=micro_batch, mode=cfg.loss.kind, seed=cfg.seed,
-                        max_tokens=s.max_tokens, min_turn_tokens=s.min_turn_tokens,
-                        shuffle_buffer=s.shuffle_buffer, window_batches=s.window_batches,
-                        template=template)
+def transform_config(run: TrainConfig, accumulation: int = 1) -> TransformConfig:
+    """The `transform` section with the direction and noise groups. The curriculum counts
+    optimizer steps; the stream counts one rank's micro batches."""
+    direction = run.direction
+    return TransformConfig(**asdict(run.transform), noise=run.noise.name,
+                           direction=direction.then or direction.name,
+                           warmup_direction=direction.warmup,
+                           warmup_batches=direction.warmup_steps * accumulation)
 
 
-def transform_config(cfg: DictConfig, accumulation: int = 1) -> TransformConfig:
-    """The direction/noise groups and `transform`; the direction curriculum's optimizer steps
-    become micro batches of one rank."""
-    t, direction = cfg.transform, cfg.direction
-    return TransformConfig(direction=direction.get("then", direction.name), noise=cfg.noise.name,
-                           arithmetic=t.arithmetic, swap_prob=t.swap_prob, ties=t.ties,
-                           redraw_each_epoch=t.redraw_each_epoch,
-                           warmup_direction=direction.get("warmup", "original"),
-                           warmup_batches=direction.get("warmup_steps", 0) * accumulation)
-
-
-def crm_kwargs(cfg: DictConfig, tokenizer, datamodule: CRMDataModule) -> dict:
-    """crm.models.factory.build_crm's arguments from the model and loss groups."""
-    return dict(num_labels=datamodule.transform.num_labels, path=cfg.model.path,
-                arch=model_arch(cfg.model, len(tokenizer)), attention=cfg.model.attention,
-                dtype=DTYPES[cfg.model.dtype], pad_token_id=tokenizer.pad_token_id,
-                margin=cfg.loss.get("margin", 0.0), center_coef=cfg.loss.get("center_coef", 0.0))
-
-
-def run_callbacks(cfg: DictConfig, run_dir: Path, tokenizer, template: PromptTemplate, *,
+def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *,
                   with_logger: bool) -> dict[str, L.Callback]:
     """The run's callbacks by name (train reads some of them back), then the `callbacks` group's."""
     ckpt_dir = run_dir / "checkpoints"
@@ -163,33 +254,38 @@ def run_callbacks(cfg: DictConfig, run_dir: Path, tokenizer, template: PromptTem
             dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
             enable_version_counter=False),
         "last": L.pytorch.callbacks.ModelCheckpoint(  # last.ckpt every save_every_n_steps, to resume
-            dirpath=ckpt_dir, save_top_k=0, save_last=True, every_n_train_steps=cfg.save_every_n_steps,
+            dirpath=ckpt_dir, save_top_k=0, save_last=True, every_n_train_steps=run.save_every_n_steps,
             enable_version_counter=False),
-        "card": CheckpointCard(tokenizer, kind=cfg.loss.kind, template=template,
-                               max_tokens=cfg.stream.max_tokens),
-        "preemption": Preemption(str(ckpt_dir / "last.ckpt"), signum=getattr(signal, cfg.preemption.signal),
-                                 requeue_command=cfg.preemption.requeue_command),
+        "card": CheckpointCard(tokenizer, kind=run.loss.kind, template=run.template,
+                               max_tokens=run.stream.max_tokens),
+        "preemption": Preemption(str(ckpt_dir / "last.ckpt"), signum=getattr(signal, run.preemption.signal),
+                                 requeue_command=run.preemption.requeue_command),
         "sharding": ShardingReport(),
     }
-    if cfg.perf.log_every_n_steps:
-        peak = None if cfg.perf.peak_tflops is None else cfg.perf.peak_tflops * 1e12
-        callbacks["throughput"] = Throughput(cfg.perf.log_every_n_steps, gpu=cfg.perf.gpu, peak_flops=peak)
+    perf = run.perf
+    if perf.log_every_n_steps:
+        peak = None if perf.peak_tflops is None else perf.peak_tflops * 1e12
+        callbacks["throughput"] = Throughput(perf.log_every_n_steps, gpu=perf.gpu, peak_flops=peak)
+    if run.trainer.get("enable_progress_bar", True) and device_type(run.trainer) == "cuda":
+        # The bar reads the logged loss as a number: each refresh makes the host wait for the GPU.
+        callbacks["progress"] = L.pytorch.callbacks.TQDMProgressBar(
+            refresh_rate=run.trainer.get("log_every_n_steps", 50))
     if with_logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
         callbacks["lr"] = L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")
-    if cfg.early_stopping_patience:
+    if run.early_stopping_patience:
         callbacks["early_stopping"] = L.pytorch.callbacks.EarlyStopping(
-            monitor="val/loss", patience=cfg.early_stopping_patience, mode="min")
-    if cfg.export:
+            monitor="val/loss", patience=run.early_stopping_patience, mode="min")
+    if run.export:
         callbacks["export"] = ExportBest(run_dir / "export", callbacks["card"],
                                          preemption=callbacks["preemption"])
-    for name, spec in (cfg.callbacks or {}).items():
+    for name, spec in run.callbacks.items():
         if name in callbacks:
             raise ConfigError(f"callbacks.{name}: the name of one of crm's own callbacks; choose another")
         callbacks[name] = instantiate(spec)
     return callbacks
 
 
-def sweep_info(cfg: DictConfig) -> dict | None:
+def sweep_info(run: TrainConfig) -> dict | None:
     """In a multirun: the sweep's group (the logger's group, else the run name) and this job's
     axis values (its overrides), so that wandb groups and tags a sweep's runs."""
     from hydra.types import RunMode
@@ -197,7 +293,7 @@ def sweep_info(cfg: DictConfig) -> dict | None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    return {"group": cfg.logger.get("group") or cfg.name,
+    return {"group": run.logger.group or run.name,
             "axes": parse_overrides(hydra_cfg.overrides.task), "job": hydra_cfg.job.num}
 
 

@@ -13,15 +13,58 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import load_scorer, one_line_config_errors
+from crm.app.service import Limits
+from crm.cli.common import (PathsConfig, ScorerSettings, load_scorer, one_line_config_errors,
+                            register_schema, settings)
 from crm.core.errors import ConfigError
+from crm.evaluation.leaderboard import Bootstrap
 
 log = logging.getLogger("crm.app")
+
+
+@dataclass
+class ServeConfig:
+    scoring: int = MISSING  # crm.app.service.ModelGate
+    waiting: int = MISSING
+    wait_timeout: float = MISSING
+    queue_size: int = MISSING  # Gradio's queue
+
+
+@dataclass
+class CacheConfig:
+    dir: str | None = MISSING  # crm.app.cache.VerdictCache
+    memory_entries: int = MISSING
+    disk_entries: int = MISSING
+
+
+@dataclass
+class UslConfig(ScorerSettings):
+    """configs/usl.yaml's keys and their types."""
+
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    bench: str = MISSING
+    baseline: str = MISSING
+    models: list[str] | None = MISSING
+    default_criteria: list[str] = MISSING
+    host: str = MISSING
+    port: int = MISSING
+    auth_env: str | None = MISSING
+    both_orders: bool = MISSING
+    torch_threads: int | None = MISSING
+    interval: Bootstrap = field(default_factory=Bootstrap)
+    limits: Limits = field(default_factory=Limits)
+    serve: ServeConfig = MISSING
+    cache: CacheConfig = MISSING
+
+
+register_schema("usl", UslConfig)
 
 
 def basic_auth(variable: str | None) -> tuple[str, str] | None:
@@ -34,10 +77,10 @@ def basic_auth(variable: str | None) -> tuple[str, str] | None:
     return user, password
 
 
-def check_inputs(cfg: DictConfig) -> None:
+def check_inputs(cfg: UslConfig) -> None:
     """A missing model or benchmark stops the start with what to do about it."""
-    missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "bench")
-               if not Path(cfg[key]).exists()]
+    missing = [f"{key}={getattr(cfg, key)}" for key in ("checkpoint", "bench")
+               if not Path(getattr(cfg, key)).exists()]
     if missing:
         raise ConfigError(f"{' and '.join(missing)}: no such file or directory. The defaults are "
                           "the demo's CRM and benchmark: `make demo` makes them (about 5 minutes "
@@ -51,14 +94,14 @@ def build_app(cfg: DictConfig):
 
     from crm.app.cache import VerdictCache, crm_fingerprint, file_digest
     from crm.app.page import build, default_board
-    from crm.app.service import Leaderboards, Limits, ModelGate, version
-    from crm.evaluation.leaderboard import Bootstrap, select
+    from crm.app.service import Leaderboards, ModelGate, version
+    from crm.evaluation.leaderboard import select
 
+    cfg = settings(cfg)
     check_inputs(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    selection = select(cfg.bench, cfg.baseline, models=None if cfg.models is None else
-                       list(cfg.models))
+    selection = select(cfg.bench, cfg.baseline, models=cfg.models)
     for r in selection.rejects[:10]:
         log.warning("rejected %s:%s: %s: %s", r["file"], r["line"], r["field"], r["reason"])
     crm_id, bench_id = crm_fingerprint(cfg.checkpoint), file_digest(Path(cfg.bench))
@@ -67,7 +110,7 @@ def build_app(cfg: DictConfig):
     service = Leaderboards(
         scorer, selection, crm_fingerprint=crm_id, bench_fingerprint=bench_id,
         version=version(cfg.checkpoint, crm_id, bench_id), both_orders=cfg.both_orders,
-        dtype=dtype, interval=Bootstrap(**cfg.interval), limits=Limits(**cfg.limits),
+        dtype=dtype, interval=cfg.interval, limits=cfg.limits,
         cache=VerdictCache(cfg.cache.dir, cfg.cache.memory_entries, cfg.cache.disk_entries),
         gate=ModelGate(cfg.serve.scoring, cfg.serve.waiting, cfg.serve.wait_timeout))
     started = time.perf_counter()

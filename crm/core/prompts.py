@@ -10,7 +10,8 @@ No torch here: the tokenizer is any object with `apply_chat_template` and `__cal
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from crm.core.records import Conversation, Message
@@ -50,17 +51,27 @@ FIELDS = {"pairwise": ("criteria", "query", "conversation_a", "conversation_b"),
           "criterion": ("criterion",), "turn": ("role", "content")}
 
 
+DEFAULTS = {"pairwise": PAIRWISE_TEMPLATE, "pointwise": POINTWISE_TEMPLATE,
+            "criterion": "- {criterion}", "turn": "{role}: {content}",
+            "roles": {"user": "User", "assistant": "Assistant", "system": "System"}}
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
-    pairwise: str = PAIRWISE_TEMPLATE  # fields: criteria, query, conversation_a, conversation_b
-    pointwise: str = POINTWISE_TEMPLATE  # fields: criteria, query, conversation
-    criterion: str = "- {criterion}"  # one line per criterion
-    turn: str = "{role}: {content}"  # one line per message after the query
-    roles: dict = field(default_factory=lambda: {"user": "User", "assistant": "Assistant",
-                                                 "system": "System"})
-    system: str | None = None  # an optional system message before the prompt
+    """crm's wording, any field replaced; None keeps crm's (DEFAULTS). crm-train's `template`
+    section (configs/train.yaml) is this dataclass."""
+
+    pairwise: str | None = None  # fields: criteria, query, conversation_a, conversation_b
+    pointwise: str | None = None  # fields: criteria, query, conversation
+    criterion: str | None = None  # one line per criterion
+    turn: str | None = None  # one line per message after the query
+    roles: dict | None = None  # role names that `turn` shows
+    system: str | None = None  # an optional system message before the prompt (none by default)
 
     def __post_init__(self):
+        for name, default in DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, copy.deepcopy(default))
         # A field the template does not know would otherwise fail mid-run, in a DataLoader worker.
         for name, fields in FIELDS.items():
             try:

@@ -798,20 +798,32 @@ def write_demo(out_dir: str | Path, seed: int = 0, n_train: int = 6000, n_test: 
     return {name: _write_jsonl(out_dir / name, records) for name, records in files.items()}
 
 
-def prepare_demo(shard_dir: str | Path, out_dir: str | Path, *, seed: int = 0, n_train: int = 6000,
-                 n_test: int = 400, n_bench: int = 60) -> Path:
-    """The demo's shard dir: generated into `out_dir`/raw and sharded into `shard_dir` unless a
-    complete cache is there already.
+@dataclass  # not frozen: Hydra fills it in place (data/demo.yaml) where it was null (data/shards.yaml)
+class DemoConfig:
+    """The demo data crm-train's data=demo generates (its `data.demo` section is this dataclass)."""
+
+    out_dir: str  # raw/ (train.jsonl, test/*.jsonl, bench.jsonl) goes here
+    seed: int = 0  # the generator's seed
+    n_train: int = 6000  # training pairs
+    n_test: int = 400  # records per test file
+    n_bench: int = 60  # benchmark queries
+
+
+def prepare_demo(shard_dir: str | Path, demo: DemoConfig) -> Path:
+    """The demo's shard dir: generated into `demo.out_dir`/raw and sharded into `shard_dir` unless
+    a complete cache is there already.
 
     Under srun every rank starts at once: the first one prepares under a lock, the others then
     find the cache ready. A cache from an older demo (fewer files) is regenerated, not trained on
     and then failed.
     """
-    shard_dir, raw = Path(shard_dir), Path(out_dir) / "raw"
+    shard_dir, out_dir = Path(shard_dir), Path(demo.out_dir)
+    raw = out_dir / "raw"
     expected = [raw / "bench.jsonl"] + [raw / "test" / f"{name}.jsonl" for name in TEST_FILES]
-    with FileLock(Path(out_dir) / ".prepare.lock"):
+    with FileLock(out_dir / ".prepare.lock"):
         if not (shard_dir / "manifest.json").is_file() or not all(p.is_file() for p in expected):
             log.info("generating the demo data into %s", raw)
-            write_demo(raw, seed=seed, n_train=n_train, n_test=n_test, n_bench=n_bench)
+            write_demo(raw, seed=demo.seed, n_train=demo.n_train, n_test=demo.n_test,
+                       n_bench=demo.n_bench)
             shard([str(raw / "train.jsonl")], shard_dir, shard_size=1000)
     return shard_dir

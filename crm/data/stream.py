@@ -2,8 +2,8 @@
 ids (in DataLoader workers) -> length-grouped, padded batches (where the workers' output meets).
 
 Exactly once per epoch, for any shard count, world size and worker count:
-- `plan.plan_rank` gives each rank a contiguous range of the epoch's record sequence and the same
-  number of batches K (see plan.py for why records, not shards, are split).
+- `epoch_plan.plan_rank` gives each rank a contiguous range of the epoch's record sequence and the same
+  number of batches K (see epoch_plan.py for why records, not shards, are split).
 - Every worker of a rank reads the rank's whole range (JSON parsing is cheap next to tokenizing)
   and cuts it into the same K chunks (the plan's batch sizes, in draw order); worker w encodes
   chunk j when (j - start) % V == w, which is the order in which the DataLoader asks its workers.
@@ -52,15 +52,25 @@ class Encoded(NamedTuple):
 
 
 @dataclass(frozen=True)
-class StreamConfig:
+class StreamSettings:
+    """What a user sets: crm-train's `stream` section (configs/train.yaml) is this dataclass."""
+
+    max_tokens: int = 1024  # length policy limit of one row
+    min_turn_tokens: int = 16  # the least a shortened message keeps
+    shuffle_buffer: int = 2048  # records mixed across shard boundaries
+    window_batches: int = 32  # length grouping: sort this many batches' worth of records by length
+    num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig(StreamSettings):
+    """The settings and what the run decides: the micro batch, the loss's rows, the seed, the
+    prompt template."""
+
     batch_size: int  # records per batch on one rank (the micro batch)
     mode: str = "pairwise"  # pointwise: each record gives a chosen and a rejected row, in one batch
     seed: int = 0
     shuffle: bool = True  # False for validation: a fixed order, epoch 0's draws
-    shuffle_buffer: int = 2048  # records mixed across shard boundaries
-    window_batches: int = 32  # length grouping: sort this many batches' worth of records by length
-    max_tokens: int = 1024  # length policy limit of one row
-    min_turn_tokens: int = 16  # the least a shortened message keeps
     template: PromptTemplate = field(default_factory=PromptTemplate)
 
     def __post_init__(self):

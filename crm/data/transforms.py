@@ -9,6 +9,7 @@ import hashlib
 import random
 from dataclasses import dataclass, replace
 
+from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_TIE, LABELS, PairExample, after_query, swap
 from crm.core.records import TrainRecord
 
@@ -19,25 +20,38 @@ ARITHMETICS = ("fixed", "reference")
 
 
 @dataclass(frozen=True)
-class TransformConfig:
-    direction: str = "original"  # whose criteria: the winner's, the loser's, or either (50/50)
-    noise: str = "none"  # criteria noise applied to the chosen criteria
-    arithmetic: str = "fixed"  # "reference" reproduces the reference's noise counts (without its crash)
+class TransformSettings:
+    """What a user sets: crm-train's `transform` section (configs/train.yaml) is this dataclass."""
+
     swap_prob: float = 0.5  # probability of swapping A and B; the label follows
     ties: str = "drop"  # "keep" trains a 3-way head
+    arithmetic: str = "fixed"  # "reference" reproduces the reference's noise counts (without its crash)
     redraw_each_epoch: bool = True  # False: one draw per record for the whole run, as the reference
-    warmup_direction: str = "original"  # the direction of a run's first `warmup_batches` batches
-    warmup_batches: int = 0  # per rank; 0 = no direction curriculum
 
     def __post_init__(self):
-        for name, allowed in (("direction", DIRECTIONS), ("warmup_direction", DIRECTIONS),
-                              ("noise", NOISES), ("ties", TIE_POLICIES), ("arithmetic", ARITHMETICS)):
+        for name, allowed in (("ties", TIE_POLICIES), ("arithmetic", ARITHMETICS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"transform {name}={getattr(self, name)!r}: expected one of {allowed}")
         if (isinstance(self.swap_prob, bool) or not isinstance(self.swap_prob, (int, float))
                 or not 0.0 <= self.swap_prob <= 1.0):
             raise ValueError(f"transform swap_prob={self.swap_prob}: expected a probability in [0, 1]")
 
+
+@dataclass(frozen=True)
+class TransformConfig(TransformSettings):
+    """The settings and the run's direction and noise (crm-train's direction and noise groups)."""
+
+    direction: str = "original"  # whose criteria: the winner's, the loser's, or either (50/50)
+    noise: str = "none"  # criteria noise applied to the chosen criteria
+    warmup_direction: str = "original"  # the direction of a run's first `warmup_batches` batches
+    warmup_batches: int = 0  # per rank; 0 = no direction curriculum
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, allowed in (("direction", DIRECTIONS), ("warmup_direction", DIRECTIONS),
+                              ("noise", NOISES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"transform {name}={getattr(self, name)!r}: expected one of {allowed}")
         if isinstance(self.warmup_batches, bool) or not isinstance(self.warmup_batches, int) \
                 or self.warmup_batches < 0:
             raise ValueError(f"transform warmup_batches={self.warmup_batches}: expected an int >= 0")
@@ -98,7 +112,7 @@ def check_one_sided(cfg: TransformConfig) -> None:
         directions.append(("warmup_direction", cfg.warmup_direction))
     for name, direction in directions:
         if direction != "original":
-            raise ValueError(
+            raise ConfigError(
                 f"transform {name}={direction!r} shows the losing side's criteria, but the data "
                 "holds README-format records (criteria + preference), which carry only the "
                 "preferred side's: train them with direction=original")

@@ -31,6 +31,8 @@ from crm.core.prompts import PromptEncoder, PromptTemplate
 from crm.core.records import Conversation, Message
 from crm.data.padding import pad_rows
 from crm.inference.prefix_reuse import prefix_logits
+from crm.models import compile as compiling
+from crm.models.checkpoint import load_crm
 from crm.models.export import META, load_export
 from crm.models.heads import last_token_logits
 
@@ -86,12 +88,16 @@ class CRMScorer:
 
     def __init__(self, model, tokenizer, template: PromptTemplate, kind: str, max_tokens: int,
                  batch_size: int = 16, device: torch.device | None = None,
-                 prefix_reuse: bool = True, progress: bool = False):
+                 prefix_reuse: bool = True, progress: bool = False, compile: bool | str = "auto"):
         self.model, self.tokenizer, self.kind = model.eval(), tokenizer, kind
         self.encoder = PromptEncoder(tokenizer, template, max_tokens)
         self.template = template
         self.batch_size = batch_size
         self.device = device or next(model.parameters()).device
+        # Training's compiled layers (crm.models.compile; auto: on CUDA), for the plain path; the
+        # prefix engine's cached keys and values run eagerly.
+        if compiling.resolve(compile, self.device.type):
+            compiling.compile_layers(model)
         self.num_labels = model.config.num_labels
         self.prefix_reuse = prefix_reuse
         self.progress = progress
@@ -129,8 +135,6 @@ class CRMScorer:
     def from_checkpoint(cls, checkpoint: str | Path, batch_size: int = 16, device=None, dtype=None,
                         **kwargs) -> "CRMScorer":
         """The weights of a crm-train checkpoint (e.g. last.ckpt rather than the exported best)."""
-        from crm.models.checkpoint import load_crm  # it imports Lightning, which an export does not need
-
         auto_device, auto_dtype = default_device_dtype()
         crm, _ = load_crm(checkpoint, dtype=dtype or auto_dtype)
         crm.model.to(device or auto_device)
@@ -256,9 +260,10 @@ class CRMScorer:
         bar = _progress(len(rows), self.progress)
         shared = {}
         if any(r.prefix_text is not None for r in rows):
-            shared = prefix_logits(self.model, self.tokenizer, [r.ids for r in rows],
-                                   [r.prefix_text for r in rows], batch_size=self.batch_size,
-                                   device=self.device, counts=self.counts, bar=bar)
+            with compiling.eager():
+                shared = prefix_logits(self.model, self.tokenizer, [r.ids for r in rows],
+                                       [r.prefix_text for r in rows], batch_size=self.batch_size,
+                                       device=self.device, counts=self.counts, bar=bar)
         plain = [i for i in range(len(rows)) if i not in shared]
         if plain:
             out[plain] = self._plain_logits([rows[i].ids for i in plain], bar)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -45,18 +46,27 @@ def load_checkpoint(path: str | Path) -> dict:
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{path}: no checkpoint file, and no complete sharded checkpoint "
                                 f"dir (.metadata and {SHARDED_META})")
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    # What torch's dcp_to_torch_save does, for the weights only and in memory: no_dist lets one
-    # process read every rank's shards.
-    weights: dict = {}
-    _load_state_dict(weights, storage_reader=FileSystemReader(str(path)),
-                     planner=_EmptyStateDictLoadPlanner(keys={"state_dict"}), no_dist=True)
     checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
-    checkpoint["state_dict"] = weights["state_dict"]
+    checkpoint["state_dict"] = sharded_weights(path)
     return checkpoint
+
+
+def sharded_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole `state_dict` of a sharded checkpoint dir, in one process: a tensor of each
+    weight's full shape (the metadata's), which torch's distributed checkpoint loader fills from
+    every rank's shards. Tensors only: DCP reads them with weights_only; nothing is unpickled."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(path))
+    prefix = "state_dict."  # DCP flattens Lightning's {"state_dict": {name: tensor}} thus
+    weights = {fqn[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for fqn, meta in reader.read_metadata().state_dict_metadata.items()
+               if fqn.startswith(prefix) and isinstance(meta, dcp.TensorStorageMetadata)}
+    state = {"state_dict": weights}
+    with warnings.catch_warnings():  # no_dist's notice that it loads in one process, as asked
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["state_dict"]
 
 
 def model_weights(checkpoint: dict) -> dict:

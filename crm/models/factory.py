@@ -1,26 +1,60 @@
-"""Builds a PairwiseCRM or PointwiseCRM around a Qwen3 sequence classifier."""
+"""Builds a PairwiseCRM or PointwiseCRM around a Qwen3 sequence classifier, from the model and loss
+config groups (configs/model/*.yaml, configs/loss/*.yaml), whose schema the two dataclasses here are."""
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Any
 
-from crm.models.backbone import build_classifier
+from crm.models.backbone import DTYPES, build_classifier
 from crm.models.heads import PairwiseCRM, PointwiseCRM
 
+KINDS = ("pairwise", "pointwise")
 
-def build_crm(kind: str, *, num_labels: int, pad_token_id: int | None, path: str | None = None,
-              arch: str | dict | None = None, attention: str = "auto",
-              dtype: torch.dtype = torch.float32, margin: float = 0.0, center_coef: float = 0.0,
-              device=None):
-    """kind "pairwise" (num_labels 2, or 3 with ties) or "pointwise" (one reward).
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str | None = None  # the option's name (configs/model/<name>.yaml); runs and reports show it
+    path: str | None = None  # a local HF checkpoint dir: its architecture and weights replace `arch`
+    tokenizer: str | None = None  # a local tokenizer dir (default: path)
+    vocab_size: int | None = None  # the BPE vocabulary trained when there is no tokenizer (tiny models)
+    attention: str = "auto"  # auto | sdpa | eager | flash_attention_2 (backbone.choose_attention)
+    dtype: str = "float32"  # parameter dtype at build, a name in DTYPES
+    arch: Any = None  # a name in backbone.ARCHITECTURES, or a dict of Qwen3Config fields
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype}: expected one of {', '.join(DTYPES)}")
+
+    def architecture(self, vocab_size: int | None = None) -> str | dict | None:
+        """`arch`, a tiny model's fields with its tokenizer's vocabulary when `vocab_size` is given."""
+        if isinstance(self.arch, dict) and vocab_size is not None:
+            return {**self.arch, "vocab_size": vocab_size}
+        return self.arch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    kind: str = "pairwise"  # pairwise: L_cls, cross-entropy | pointwise: L_ranking, Bradley-Terry
+    name: str | None = None  # the option's name (configs/loss/<name>.yaml): cls | ranking
+    margin: float = 0.0  # pointwise: -logsigmoid(r_c - r_r - margin)
+    center_coef: float = 0.0  # pointwise: + center_coef * (r_c + r_r)^2
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"loss.kind={self.kind}: expected one of {', '.join(KINDS)}")
+
+
+def build_crm(model: ModelConfig, loss: LossConfig, *, num_labels: int, pad_token_id: int | None,
+              vocab_size: int | None = None, device=None):
+    """loss.kind pairwise (num_labels 2, or 3 with ties) or pointwise (one reward); `vocab_size`
+    (the tokenizer's) sizes a tiny model's embeddings.
 
     device="meta" builds shapes only: from a `path`, no weight is read (see build_classifier).
     """
-    if kind == "pairwise":
-        model = build_classifier(num_labels=num_labels, pad_token_id=pad_token_id, path=path,
-                                 arch=arch, attention=attention, dtype=dtype, device=device)
-        return PairwiseCRM(model)
-    if kind == "pointwise":
-        model = build_classifier(num_labels=1, pad_token_id=pad_token_id, path=path, arch=arch,
-                                 attention=attention, dtype=dtype, device=device)
-        return PointwiseCRM(model, margin=margin, center_coef=center_coef)
-    raise ValueError(f"CRM kind {kind!r}: expected pairwise or pointwise")
+    classifier = dict(pad_token_id=pad_token_id, path=model.path,
+                      arch=model.architecture(vocab_size), attention=model.attention,
+                      dtype=DTYPES[model.dtype], device=device)
+    if loss.kind == "pairwise":
+        return PairwiseCRM(build_classifier(num_labels=num_labels, **classifier))
+    return PointwiseCRM(build_classifier(num_labels=1, **classifier), margin=loss.margin,
+                        center_coef=loss.center_coef)

@@ -10,12 +10,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crm.models.compile import eager
 
-def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+
+def check_right_padded(attention_mask: torch.Tensor) -> None:
     lengths = attention_mask.sum(dim=1)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     if not torch.equal(attention_mask.bool(), positions < lengths[:, None]):
         raise ValueError("CRM rows must be right padded (attention mask = a prefix of ones per row)")
+
+
+def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    if attention_mask.device.type == "cpu":
+        # On an accelerator the check would make the host wait for the device at every forward;
+        # crm's batches reach one from crm.data.padding.pad_rows, right padded by construction.
+        check_right_padded(attention_mask)
+    lengths = attention_mask.sum(dim=1)
     # Right padding under causal attention: no real token can see a pad, so the mask changes
     # nothing the head reads. Without it sdpa takes its fused causal kernel instead of
     # materialising a 4D mask. use_cache=False: a training or scoring forward needs no KV cache.
@@ -97,4 +107,6 @@ def _empty_batch_loss(crm: nn.Module, batch: dict) -> dict:
     gradient collectives see every parameter (an empty tensor cannot pass through attention).
     """
     ids = torch.full((1, 1), crm.model.config.pad_token_id, device=batch["input_ids"].device)
-    return {"loss": crm(ids, torch.ones_like(ids)).float().sum() * 0.0, "n": 0}
+    with eager():  # a one-token shape, rare: not worth a compiled graph of its own
+        logits = crm(ids, torch.ones_like(ids))
+    return {"loss": logits.float().sum() * 0.0, "n": 0}

@@ -61,6 +61,18 @@ class ModelShape:
         """From a Qwen3Config: builds the classifier on the meta device and counts it."""
         return cls.from_model(meta_classifier(config))
 
+    @classmethod
+    def from_arch(cls, arch: str | dict, *, vocab_size: int | None = None,
+                  num_labels: int = 2) -> ModelShape:
+        """From a name of crm.models.backbone.ARCHITECTURES or a dict of Qwen3Config fields, with
+        the vocabulary of its tokenizer when given."""
+        from crm.models.backbone import ARCHITECTURES, qwen3_config
+
+        fields = dict(ARCHITECTURES[arch] if isinstance(arch, str) else arch)
+        if vocab_size:
+            fields["vocab_size"] = vocab_size
+        return cls.from_config(qwen3_config(fields, num_labels=num_labels, pad_token_id=0))
+
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -74,10 +86,9 @@ def meta_classifier(config) -> torch.nn.Module:
     """
     from transformers import AutoModelForSequenceClassification
 
-    config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"
+    config = copy.deepcopy(config)  # from_config sets its attention and dtype on the config it gets
     with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(config)
+        return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: float) -> float:

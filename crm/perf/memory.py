@@ -1,51 +1,61 @@
-"""Per-GPU memory plan for FSDP2 full sharding with AdamW: an estimate, with every term stated.
+"""Per-GPU memory plan of a training step: states, parameters in flight and activations, every term
+stated, the activations those of HF's Qwen3 as they are.
 
 All figures are GiB (2^30 bytes) on one GPU. P = all parameters (embeddings included), W = GPUs
 (nodes x devices), L layers, h hidden size, q = heads x head_dim (the attention width), k =
-kv_heads x head_dim, i = intermediate size, a = bytes of the compute dtype (activations).
+kv_heads x head_dim, i = intermediate size, H heads, KV kv heads, d head_dim.
 
-States, sharded over W (bytes per parameter: param + grad + AdamW's two moments):
-    bf16-mixed  4 + 4 + 8 = 16   fp32 master weights, gradients and moments; bf16 compute
+States (bytes per parameter: parameter + gradient + AdamW's two moments), sharded over W under
+FSDP, whole on every GPU under DDP or on one GPU:
+    bf16-mixed  4 + 4 + 8 = 16   fp32 weights, gradients and moments; bf16 compute
     bf16-true   2 + 2 + 4 =  8   everything bf16
-    32-true     4 + 4 + 8 = 16   everything fp32, fp32 compute
+    32-true     4 + 4 + 8 = 16   everything fp32
 
-Unsharded in flight: FSDP2 all-gathers one decoder layer at a time and prefetches the next, and
-does not reshard the root group (embeddings, final norm, head) between forward and backward:
-    (root + 2 layers) parameters x a  +  1 layer's unsharded gradient (before its reduce-scatter)
-    x gradient bytes.
+Parameters in flight. FSDP2 all-gathers one decoder layer at a time and prefetches the next, and
+keeps the root group (embeddings, final norm, head) gathered between forward and backward:
+(root + 2 layers) parameters in the compute dtype, plus one layer's unsharded gradient before its
+reduce-scatter. Autocast (bf16-mixed without FSDP) keeps a bf16 copy of every matmul weight from
+the forward to its backward, like an activation: 2 bytes per decoder-layer parameter.
 
-Activations of one micro batch of T = micro_batch x rows_per_record x S tokens (rows_per_record
-is 1 pairwise, 2 pointwise: chosen and rejected in one forward). What autograd keeps per token
-for one Qwen3 decoder layer, in elements:
-    layer set = 4h + 3q + 3k + 4i
-      4h: block input, attention-norm output, residual after attention, MLP-norm output
-      3q + 3k: q/k/v projections (q + 2k), q and k after q/k-norm and RoPE (q + k), attention
-               output (q); flash/sdpa kernels keep only a per-head log-sum-exp besides (ignored)
-      4i: gate, up, silu(gate), silu(gate) x up
-    eager attention (not flash/sdpa) also keeps the probabilities: S x heads per token.
-- with full activation checkpointing: the block inputs of every layer, L x h x a per token, plus
-  one layer's recompute during its backward, counted as 2 x layer set x a per token (the
-  recomputed activations and the gradients flowing through them, of the same order).
-- without: every layer's set, L x layer set x a per token, plus one layer set of backward
-  gradients.
-- the head is tiny: the final norm's input and output (2 h a per token) and the logits (rows x
-  num_labels x 4 B), shown separately to make that visible.
+Gradients and activations are not all there at once. Backward frees each layer's activations as
+it fills that layer's gradients, so with one micro batch per optimizer step the peak is the larger
+of the two (all activations at its start, all gradients at its end; the optimizer frees the
+gradients after its step). With gradient accumulation the gradients of the earlier micro batches
+are held while the next one runs: then the peak is their sum. `accumulating` (default True, the
+larger) says which.
 
-It fits if the total is at most the GPU memory less a `headroom_fraction` (default 10%, for
-fragmentation and the estimate's error) and a fixed `reserved_gib` (default 2 GiB: CUDA context,
-NCCL buffers, allocator reserve).
+Activations: what autograd keeps for backward, per token of a micro batch of T = micro_batch x
+rows_per_record x S tokens (a pointwise record is two rows, chosen and rejected, in one forward).
+`LAYER_BYTES` holds, for one HF Qwen3 decoder layer, the bytes per token as a linear form in (h, q,
+k, i, H, KV, 1), by how the layer computes:
+    bf16      bf16 parameters and residual stream (FSDP2's param_dtype=bfloat16, or bf16-true)
+    autocast  float32 parameters and residual stream under bf16 autocast (trainer=gpu, ddp)
+    fp32      32-true
+and whether it runs eagerly or compiled (crm.models.compile). They are measured, not derived: every
+tensor autograd saves in one layer's forward (torch.autograd.graph.saved_tensors_hooks, parameters
+left out) over Qwen3 layers of several shapes, fitted exactly by the form
+(benchmarks/activation_inventory.py prints them; tests/perf/test_plan.py checks the eager forms
+against a live count). Eagerly HF's RMSNorm keeps float32 copies of its input, q/k-norm float32
+copies of q and k; compiled, inductor's partitioner recomputes the cheap elementwise work in
+backward and keeps 35-43% less. Outside the layers (`REST_BYTES`): the final norm, RoPE's
+cos/sin (per position) and the head's few rows.
+- without activation checkpointing: every layer's set, L x layer + rest, per token;
+- with: each layer keeps only its input (h per token in the residual stream's dtype) and one
+  layer at a time recomputes its set during backward: L x h x r + layer + rest.
+- eager attention (not sdpa or flash) also keeps the softmax, H x S x 6 bytes per token (float32
+  and the compute dtype; not measured).
 
-The activation figures assume a bf16 residual stream under bf16-mixed, i.e. FSDP2 computing with
-bf16 parameters (MixedPrecisionPolicy(param_dtype=bfloat16)); autocast over fp32 parameters alone
-keeps the residual stream (the block inputs) in fp32, twice the checkpointed term.
+It fits if the total is at most the GPU memory less a `headroom_fraction` (default 10%: the
+allocator's fragmentation and the plan's error, docs/PERFORMANCE.md section 4 compares it with
+torch's measured peaks) and a fixed `reserved_gib` (default 2 GiB: CUDA context, NCCL buffers).
 
 Host memory of one node at start-up (`host_startup_plan`), D = GPUs per node, c = bytes per
 parameter of the checkpoint (2: Qwen3 releases are bf16), p = of the parameters:
-- from a checkpoint (model.path; crm.training.parallel.build_sharded): each rank reads only the slices of
-  its own shards, straight into its GPU. The node reads its share of the checkpoint, P x c x D / W,
-  through the page cache (memory-mapped safetensors: clean pages the kernel can drop), and each
-  rank holds one tensor slice in flight, read and converted: E / W x (c + p), E the largest
-  tensor (bounded here by the root's parameters, the embedding nearly all of them).
+- from a checkpoint (model.path; crm.training.parallel.build_sharded): each rank reads only the
+  slices of its own shards, straight into its GPU. The node reads its share of the checkpoint,
+  P x c x D / W, through the page cache (memory-mapped safetensors: clean pages the kernel can
+  drop), and each rank holds one tensor slice in flight, read and converted: E / W x (c + p), E the
+  largest tensor (bounded here by the root's parameters, the embedding nearly all of them).
 - random init (model.arch, no path): every rank builds the whole model in host memory from the
   seed, then shards it: D x P x p.
 Neither counts what every process holds anyway (Python, torch, transformers, Lightning imported:
@@ -73,79 +83,122 @@ PRECISIONS: dict[str, PrecisionBytes] = {
     "bf16-true": PrecisionBytes(param=2, grad=2, optimizer=4, compute=2),
     "32-true": PrecisionBytes(param=4, grad=4, optimizer=8, compute=4),
 }
+STRATEGIES = ("fsdp", "ddp")
 ROWS_PER_RECORD = {"pairwise": 1, "pointwise": 2}
 
+# Bytes per token kept by one decoder layer: coefficients of (h, q, k, i, H, KV, 1) (the docstring).
+LAYER_BYTES: dict[tuple[str, bool], tuple[int, ...]] = {
+    ("bf16", False): (16, 10, 10, 8, 8, 4, 8),
+    ("autocast", False): (26, 10, 10, 8, 8, 4, 8),
+    ("fp32", False): (24, 16, 16, 16, 8, 4, 8),
+    ("bf16", True): (8, 6, 6, 6, 8, 4, 8),
+    ("autocast", True): (10, 6, 6, 6, 8, 4, 8),
+}
+# Outside the layers, per token: coefficients of (h, 1), and RoPE's cos and sin per position (x d).
+REST_BYTES = {"bf16": (6, 12, 4), "autocast": (8, 12, 8), "fp32": (8, 12, 8)}
+RESIDUAL_BYTES = {"bf16": 2, "autocast": 4, "fp32": 4}
 
-def layer_set_elements(shape: ModelShape, seq_len: int, flash: bool = True) -> int:
-    """Elements one decoder layer keeps for backward, per token (see the module docstring)."""
+
+def compute_mode(precision: str, strategy: str) -> str:
+    """How the layers compute: bf16 (FSDP2's bf16 parameters, bf16-true), autocast, fp32."""
+    if precision == "32-true":
+        return "fp32"
+    if precision == "bf16-mixed" and strategy != "fsdp":
+        return "autocast"
+    return "bf16"
+
+
+def layer_bytes(shape: ModelShape, mode: str, compiled: bool) -> int:
+    """Bytes per token one decoder layer keeps for backward (measured forms, the docstring)."""
     q, k = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    n = 4 * shape.hidden + 3 * q + 3 * k + 4 * shape.intermediate
-    return n if flash else n + seq_len * shape.heads
+    sizes = (shape.hidden, q, k, shape.intermediate, shape.heads, shape.kv_heads, 1)
+    return sum(c * n for c, n in zip(LAYER_BYTES[(mode, compiled)], sizes))
 
 
-def activation_bytes(shape: ModelShape, *, seq_len: int, rows: int, compute_bytes: int,
-                     checkpointing: bool, flash: bool = True) -> int:
+def rest_bytes(shape: ModelShape, mode: str) -> int:
+    """Bytes per token kept outside the decoder layers (final norm, RoPE; RoPE counted per token)."""
+    h, const, rope = REST_BYTES[mode]
+    return h * shape.hidden + const + rope * shape.head_dim
+
+
+def activation_bytes(shape: ModelShape, *, seq_len: int, rows: int, mode: str, compiled: bool,
+                     checkpointing: bool, attention: str = "sdpa") -> int:
     """Activations of `rows` rows of `seq_len` tokens, with or without full checkpointing."""
-    tokens = rows * seq_len
-    layer_set = layer_set_elements(shape, seq_len, flash)
+    layer = layer_bytes(shape, mode, compiled)
+    if attention == "eager":
+        layer += shape.heads * seq_len * 6
     if checkpointing:
-        per_token = shape.layers * shape.hidden + 2 * layer_set
+        per_token = shape.layers * shape.hidden * RESIDUAL_BYTES[mode] + layer
     else:
-        per_token = (shape.layers + 1) * layer_set
-    return tokens * per_token * compute_bytes
+        per_token = shape.layers * layer
+    return rows * seq_len * (per_token + rest_bytes(shape, mode))
 
 
 def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size: int = 1,
-                kind: str = "pairwise", precision: str = "bf16-mixed",
-                activation_checkpointing: bool = True, flash: bool = True,
-                gpu_memory_gib: float = 80.0, headroom_fraction: float = 0.10,
-                reserved_gib: float = 2.0) -> dict:
+                kind: str = "pairwise", precision: str = "bf16-mixed", strategy: str = "fsdp",
+                activation_checkpointing: bool = True, compiled: bool = False,
+                attention: str = "sdpa", accumulating: bool = True, gpu_memory_gib: float = 80.0,
+                headroom_fraction: float = 0.10, reserved_gib: float = 2.0) -> dict:
     """The per-GPU plan: GiB per term, totals with and without checkpointing, and `fits`.
 
     `total_gib` and `fits` are for the configured `activation_checkpointing`; the `_checkpointed`
     and `_full` variants give both settings.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
-    if kind not in ROWS_PER_RECORD:
-        raise ValueError(f"kind={kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
+    for name, value, allowed in (("precision", precision, PRECISIONS), ("kind", kind, ROWS_PER_RECORD),
+                                 ("strategy", strategy, STRATEGIES)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
     if world < 1 or seq_len < 1 or micro_batch_size < 1:
         raise ValueError(f"world={world}, seq_len={seq_len}, micro_batch_size={micro_batch_size}: "
                          "each must be at least 1")
-    b = PRECISIONS[precision]
+    b, mode = PRECISIONS[precision], compute_mode(precision, strategy)
     P = shape.total_params
+    shards = world if strategy == "fsdp" else 1
     rows = micro_batch_size * ROWS_PER_RECORD[kind]
+    in_flight = copies = 0
+    if strategy == "fsdp":
+        in_flight = (shape.root_params + 2 * shape.layer_params) * b.compute + shape.layer_params * b.grad
+    elif mode == "autocast":
+        copies = shape.layers * shape.layer_params * 2
+    activations = {ckpt: activation_bytes(shape, seq_len=seq_len, rows=rows, mode=mode,
+                                          compiled=compiled, checkpointing=ckpt, attention=attention)
+                   for ckpt in (True, False)}
     gib = {
-        "params": P * b.param / world,
-        "grads": P * b.grad / world,
-        "optimizer": P * b.optimizer / world,
-        "unsharded": (shape.root_params + 2 * shape.layer_params) * b.compute
-                     + shape.layer_params * b.grad,
-        "activations_checkpointed": activation_bytes(shape, seq_len=seq_len, rows=rows,
-                                                     compute_bytes=b.compute, checkpointing=True,
-                                                     flash=flash),
-        "activations_full": activation_bytes(shape, seq_len=seq_len, rows=rows,
-                                             compute_bytes=b.compute, checkpointing=False,
-                                             flash=flash),
-        "head": rows * seq_len * 2 * shape.hidden * b.compute + rows * shape.num_labels * 4,
+        "params": P * b.param / shards,
+        "grads": P * b.grad / shards,
+        "optimizer": P * b.optimizer / shards,
+        "unsharded": in_flight,
+        "weight_copies": copies,
+        "activations_checkpointed": activations[True],
+        "activations_full": activations[False],
     }
     gib = {name: value / GIB for name, value in gib.items()}
     states = gib["params"] + gib["grads"] + gib["optimizer"]
-    fixed = states + gib["unsharded"] + gib["head"]
+    fixed = gib["params"] + gib["optimizer"] + gib["unsharded"]
+
+    def peak(activations: float) -> float:
+        kept = activations + gib["weight_copies"]
+        return fixed + (gib["grads"] + kept if accumulating else max(gib["grads"], kept))
+
     usable = gpu_memory_gib * (1.0 - headroom_fraction) - reserved_gib
-    total_ckpt = fixed + gib["activations_checkpointed"]
-    total_full = fixed + gib["activations_full"]
+    total_ckpt = peak(gib["activations_checkpointed"])
+    total_full = peak(gib["activations_full"])
     total = total_ckpt if activation_checkpointing else total_full
     return {
         "precision": precision,
+        "strategy": strategy,
+        "compute": mode,
+        "compiled": compiled,
+        "attention": attention,
         "world": world,
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
         "rows_per_micro_batch": rows,
-        "flash_attention": flash,
         "activation_checkpointing": activation_checkpointing,
+        "accumulating": accumulating,
         "bytes_per_param": {"param": b.param, "grad": b.grad, "optimizer": b.optimizer,
                             "compute": b.compute},
+        "layer_bytes_per_token": layer_bytes(shape, mode, compiled),
         "states_all_gpus_gib": P * (b.param + b.grad + b.optimizer) / GIB,
         **{f"{name}_gib": value for name, value in gib.items()},
         "states_gib": states,

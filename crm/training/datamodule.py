@@ -7,7 +7,7 @@ import lightning as L
 
 from crm.data.manifest import load_manifest
 from crm.data.stream import PairStream, StreamConfig, StreamLoader
-from crm.data.transforms import TransformConfig
+from crm.data.transforms import TransformConfig, check_one_sided
 
 
 class _RestartingLoader(StreamLoader):
@@ -30,11 +30,13 @@ class CRMDataModule(L.LightningDataModule):
     """
 
     def __init__(self, path: str, tokenizer, stream: StreamConfig, transform: TransformConfig,
-                 num_workers: int = 0, val_split: str = "val"):
+                 val_split: str = "val"):
         super().__init__()
         self.manifest = load_manifest(path)
+        if any(s.one_sided for shards in self.manifest.splits.values() for s in shards):
+            check_one_sided(transform)  # here, at start: the loaders are built inside fit
         self.tokenizer, self.stream, self.transform = tokenizer, stream, transform
-        self.num_workers, self.val_split = num_workers, val_split
+        self.val_split = val_split
         self.train_loader: StreamLoader | None = None
 
     def _rank_world(self) -> tuple[int, int]:
@@ -46,7 +48,7 @@ class CRMDataModule(L.LightningDataModule):
         rank, world = self._rank_world()
         dataset = PairStream(self.manifest.shards(split), self.tokenizer, stream, transform,
                              self.manifest.criteria_pool, rank=rank, world=world)
-        return loader(dataset, num_workers=self.num_workers)
+        return loader(dataset, num_workers=stream.num_workers)
 
     def train_dataloader(self) -> StreamLoader:
         self.train_loader = self._loader("train", self.stream, self.transform)

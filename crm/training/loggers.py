@@ -4,34 +4,49 @@ from __future__ import annotations
 import csv
 import os
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from crm.core.errors import ConfigError
 from crm.training.preemption import slurm_job_id
 
+LOGGERS = ("csv", "wandb", "none")
 
-def make_logger(logger: dict, run_dir: Path, run_name: str, sweep: dict | None = None):
-    """`logger` is the logger group (name: csv | wandb | none, and wandb's project, entity, group,
-    tags); `sweep` a multirun job's {group, axes, job}, so that wandb groups and tags its runs."""
-    if logger["name"] == "none":
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """crm-train's logger group (configs/logger/*.yaml); the rest of the fields are wandb's."""
+
+    name: str = "csv"  # csv | wandb | none
+    project: str = "crm"
+    entity: str | None = None
+    group: str | None = None  # sweeps set this so the UI groups their runs
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.name not in LOGGERS:
+            raise ValueError(f"logger {self.name!r}: expected one of {', '.join(LOGGERS)}")
+
+
+def make_logger(logger: LoggerConfig, run_dir: Path, run_name: str, sweep: dict | None = None):
+    """The run's Lightning logger (False for none); `sweep` a multirun job's {group, axes, job},
+    so that wandb groups and tags its runs."""
+    if logger.name == "none":
         return False
-    if logger["name"] == "csv":
+    if logger.name == "csv":
         return ResumableCSVLogger(save_dir=str(run_dir), name="csv", version="")
-    if logger["name"] == "wandb":
-        os.environ.setdefault("WANDB_MODE", "offline")  # no key, no network unless asked
-        run_id = slurm_job_id()  # a requeued job continues its own wandb run
-        group, tags = logger["group"], list(logger["tags"])
-        if sweep:
-            group = group or sweep["group"]
-            tags += [f"{k}={v}" for k, v in sweep["axes"].items()]
-            run_name = f"{run_name}-{sweep['job']}"
-        return L.pytorch.loggers.WandbLogger(
-            project=logger["project"], entity=logger["entity"], group=group, tags=tags,
-            name=run_name, save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
-    raise ConfigError(f"logger {logger['name']!r}: expected csv, wandb or none")
+    os.environ.setdefault("WANDB_MODE", "offline")  # no key, no network unless asked
+    run_id = slurm_job_id()  # a requeued job continues its own wandb run
+    group, tags = logger.group, list(logger.tags)
+    if sweep:
+        group = group or sweep["group"]
+        tags += [f"{k}={v}" for k, v in sweep["axes"].items()]
+        run_name = f"{run_name}-{sweep['job']}"
+    return L.pytorch.loggers.WandbLogger(
+        project=logger.project, entity=logger.entity, group=group, tags=tags,
+        name=run_name, save_dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
 
 
 class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):
@@ -39,12 +54,22 @@ class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):
     resumed run (resume=auto, a requeued job) would lose the earlier steps' metrics.
 
     Steps run again after a crash appear twice; the later row is the resumed run's.
+
+    Lightning offers no public way to append: this relies on its writer deleting the file when
+    created and writing rows under its `metrics_keys`; tests/training/test_distributed.py
+    (test_a_resumed_run_appends_to_the_csv_history, not slow) fails if either changes.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writer_started = False
 
     @property
     def experiment(self):
         path = Path(self.log_dir) / "metrics.csv"
-        if self._experiment is not None or rank_zero_only.rank != 0 or not path.is_file():
+        resuming = not self.writer_started and rank_zero_only.rank == 0 and path.is_file()
+        self.writer_started = True
+        if not resuming:
             return super().experiment
         aside = path.with_name(path.name + ".resumed")
         path.replace(aside)  # out of the writer's way while it starts

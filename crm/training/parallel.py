@@ -1,6 +1,6 @@
 """The one place that shards a model: FSDP2 `fully_shard` per Qwen3 decoder layer and at the root,
-activation checkpointing per decoder layer, pretrained weights loaded into the shards, and
-checkpoints that are never half written.
+activation checkpointing and compilation per decoder layer, in that order (torchtitan's), pretrained
+weights loaded into the shards, and checkpoints that are never half written.
 
 The same code runs on CPU with gloo (tests) and on GPUs with NCCL: Lightning's
 `ModelParallelStrategy` owns the process group and the device mesh; `build_sharded` is called from
@@ -17,7 +17,8 @@ from pathlib import Path
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from crm.models.backbone import DTYPES
+from crm.models.backbone import DTYPES, decoder_layers
+from crm.models.compile import compile_layers
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +29,6 @@ class ParallelConfig:
     param_dtype: str = "bfloat16"  # FSDP: dtype of the all-gathered parameters for compute
     reduce_dtype: str = "float32"  # FSDP: dtype of the gradient reduce-scatter
     reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3)
-
-
-def decoder_layers(crm: nn.Module) -> nn.ModuleList:
-    return crm.model.model.layers
 
 
 def enable_activation_checkpointing(crm: nn.Module) -> None:
@@ -51,16 +48,25 @@ def apply_fsdp(crm: nn.Module, mesh, cfg: ParallelConfig) -> nn.Module:
 
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                   reduce_dtype=DTYPES[cfg.reduce_dtype])
-    for layer in decoder_layers(crm):
+    for layer in decoder_layers(crm.model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(crm, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     log.info("FSDP2: %d decoder layers + root sharded over %d ranks (compute %s, reduce %s)",
-             len(decoder_layers(crm)), mesh.size(), cfg.param_dtype, cfg.reduce_dtype)
+             len(decoder_layers(crm.model)), mesh.size(), cfg.param_dtype, cfg.reduce_dtype)
     return crm
 
 
-def build_sharded(build_crm: Callable[..., nn.Module], mesh, cfg: ParallelConfig) -> nn.Module:
-    """The CRM from `build_crm`, checkpointed and sharded over `mesh`, with its weights.
+def prepare_layers(crm: nn.Module, cfg: ParallelConfig, compile: bool) -> None:
+    """Activation checkpointing, then compilation, of each decoder layer (before any sharding)."""
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(crm)
+    if compile:
+        compile_layers(crm.model)
+
+
+def build_sharded(build_crm: Callable[..., nn.Module], mesh, cfg: ParallelConfig,
+                  compile: bool = False) -> nn.Module:
+    """The CRM from `build_crm`, checkpointed, compiled and sharded over `mesh`, with its weights.
 
     From a checkpoint (model.path): built on the meta device (shapes, no storage), sharded, only
     this rank's shards allocated, then filled from the safetensors, each rank reading its own
@@ -74,8 +80,7 @@ def build_sharded(build_crm: Callable[..., nn.Module], mesh, cfg: ParallelConfig
     pretrained = crm.model.name_or_path  # set by a build from a checkpoint, empty for an arch
     if not pretrained:
         crm = build_crm()
-    if cfg.activation_checkpointing:
-        enable_activation_checkpointing(crm)
+    prepare_layers(crm, cfg, compile)
     apply_fsdp(crm, mesh, cfg)
     if pretrained:
         crm.to_empty(device=mesh.device_type)  # this rank's shards, on its current device
@@ -92,12 +97,14 @@ class FSDPStrategy(ModelParallelStrategy):
     every rank has finished.
     """
 
-    def __init__(self, data_parallel_size: int, **kwargs):
+    def __init__(self, data_parallel_size: int, save_distributed_checkpoint: bool = True, **kwargs):
         # Explicit sizes: "auto" picks tensor parallelism over the ranks (nothing sharded).
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.sharded_checkpoints = save_distributed_checkpoint  # Lightning keeps its copy private
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        if not self._save_distributed_checkpoint:
+        if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         final = Path(self.broadcast(str(filepath)))
         partial = final.with_name(final.name + ".partial")

@@ -39,6 +39,7 @@ class Preemption(L.Callback):
         self.checkpoint_path, self.signum, self.requeue_command = checkpoint_path, signum, requeue_command
         self.received = False  # this process got the signal
         self.preempted = False  # the run saved and stopped because of it
+        self.step = 0  # the optimizer step of the last step boundary seen
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -47,9 +48,13 @@ class Preemption(L.Callback):
     def _on_signal(self, signum, frame) -> None:
         self.received = True
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step  # a resumed run starts past 0
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.fit_loop._should_accumulate():
-            return  # mid-accumulation: not a step boundary
+        if trainer.global_step == self.step:
+            return  # mid-accumulation: no optimizer step since the last boundary
+        self.step = trainer.global_step
         received = self.received
         if trainer.world_size > 1:  # SLURM may signal only some ranks: any rank's signal stops all
             flag = torch.tensor(float(received), device=pl_module.device)

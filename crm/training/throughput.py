@@ -6,6 +6,9 @@
     perf/samples_per_s         records per second, all ranks (a pointwise record is two rows)
     perf/mfu                   tokens/s x FLOPs per token / (peak per device x world size);
                                not logged when no peak is known (CPU, an unknown GPU)
+    perf/compiled_graphs       graphs torch.compile built since training started (decoder layers:
+    perf/graph_breaks          crm.models.compile), graph breaks and compile seconds; logged when
+    perf/compile_seconds       any was built, with a warning past crm.models.compile.RECOMPILE_WARNING
 
 FLOPs per token are crm.perf.flops' 6 N + 12 L H d S, with S the mean real row length of the window
 (real tokens / rows). A window runs from one logging point to the next, timed with
@@ -14,13 +17,17 @@ device and reduced once per logging point, so nothing synchronises at other step
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import lightning as L
 import torch
 
+from crm.models.compile import RECOMPILE_WARNING, compile_stats
 from crm.perf.flops import ModelShape, flops_per_token, mfu, peak_flops
+
+log = logging.getLogger(__name__)
 
 
 class Throughput(L.Callback):
@@ -44,6 +51,8 @@ class Throughput(L.Callback):
         self._paused = 0.0  # validation seconds inside the window
         self._val_start: float | None = None
         self._last_step = -1
+        self._warned_graphs = 0  # the graph count of the last recompile warning
+        self._compiled_before: dict | None = None  # compile_stats() when training started
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -51,6 +60,8 @@ class Throughput(L.Callback):
         if self.shape is None:
             self.shape = ModelShape.from_config(pl_module.crm.model.config)
         self.peak = peak_flops(self.gpu, self.peak_override)
+        if self._compiled_before is None:
+            self._compiled_before = compile_stats()
         self._reset_counts()
         self._last_step = trainer.global_step
         self._start_window()
@@ -105,6 +116,16 @@ class Throughput(L.Callback):
             "perf/samples_per_s": samples / elapsed,
             "perf/mfu": mfu(tokens_per_s, per_token, None if self.peak is None else self.peak * world),
         }
+        compiled = {k: v - self._compiled_before[k] for k, v in compile_stats().items()}
+        if compiled["graphs"]:
+            figures.update({"perf/compiled_graphs": compiled["graphs"],
+                            "perf/graph_breaks": compiled["graph_breaks"],
+                            "perf/compile_seconds": compiled["seconds"]})
+            if compiled["graphs"] > max(RECOMPILE_WARNING, self._warned_graphs):
+                self._warned_graphs = compiled["graphs"]
+                log.warning("torch.compile has built %d graphs by step %d (expected at most %d): shapes "
+                            "vary in a way that recompiles; TORCH_LOGS=recompiles says why",
+                            compiled["graphs"], trainer.global_step, RECOMPILE_WARNING)
         self.last = {**figures, "step": trainer.global_step, "seconds": elapsed, "tokens": real,
                      "mean_row_tokens": seq_len, "flops_per_token": per_token, "world": world}
         if trainer.is_global_zero:

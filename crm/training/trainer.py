@@ -19,16 +19,21 @@ from crm.training.parallel import fsdp_strategy
 log = logging.getLogger(__name__)
 
 
+def device_type(trainer: dict) -> str:
+    """"cuda" or "cpu": where the trainer group's accelerator runs the model."""
+    accelerator = trainer["accelerator"]
+    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return "cuda" if gpu else "cpu"
+
+
 def world_size(trainer: dict) -> int:
     """Processes of the run: devices per node x nodes (`devices: auto` counts the visible GPUs)."""
     devices = trainer["devices"]
     if devices in ("auto", -1, "-1"):
-        accelerator = trainer["accelerator"]
-        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-        devices = torch.cuda.device_count() if gpu else 1
+        devices = torch.cuda.device_count() if device_type(trainer) == "cuda" else 1
         if not devices:
             raise ConfigError(f"trainer.devices={trainer['devices']} with trainer.accelerator="
-                             f"{accelerator}, but no CUDA device is visible")
+                             f"{trainer['accelerator']}, but no CUDA device is visible")
     elif isinstance(devices, (list, tuple)):
         devices = len(devices)
     return int(devices) * int(trainer.get("num_nodes", 1))

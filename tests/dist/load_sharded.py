@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.training.parallel import ParallelConfig, build_sharded
 
 
@@ -29,8 +29,8 @@ def main(batch_file: str, out_dir: str, checkpoints: list[str]) -> None:
     batch = load_file(batch_file)
     for path in checkpoints:
         torch.manual_seed(0)
-        make = partial(build_crm, "pairwise", num_labels=2, pad_token_id=None, path=path,
-                       attention="sdpa")
+        make = partial(build_crm, ModelConfig(path=path, attention="sdpa"), LossConfig("pairwise"),
+                       num_labels=2, pad_token_id=None)
         crm = build_sharded(make, mesh["data_parallel"], ParallelConfig(param_dtype="float32"))
         with torch.no_grad():
             logits = crm.eval()(batch["input_ids"], batch["attention_mask"])

@@ -27,6 +27,12 @@ import yaml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+# Each command's module registers its config's schema, which the config's defaults name.
+import crm.cli.eval
+import crm.cli.leaderboard
+import crm.cli.plan
+import crm.cli.train
+import crm.cli.usl  # noqa: F401
 import crm_configs
 from crm.cli.common import checkpoint_argument
 from crm.training.trainer import batch_plan, world_size
@@ -628,12 +634,12 @@ def test_train_sbatch_end_to_end_preempted_requeued_and_resumed(tmp_path):
     """Two ranks on CPU through the real script: SIGUSR1 to every process of every task (DataLoader
     workers too) -> last.ckpt at a step boundary, `scontrol requeue` by rank 0, the batch script
     exits 0; the requeued job (same id) resumes from last.ckpt and finishes."""
-    from crm.data.demo import prepare_demo
+    from crm.data.demo import DemoConfig, prepare_demo
 
     demo = ["data.demo.n_train=386", "data.demo.n_test=20", "data.demo.n_bench=4"]
     fake = FakeSlurm(tmp_path, job_id=free_job_id(), nodes=1, tasks_per_node=2)
     cfg = compose_cfg("train", [*demo, f"paths.root_dir={fake.root}"])
-    shards = prepare_demo(cfg.data.path, **cfg.data.demo)  # once, before the ranks start
+    shards = prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))  # once, before the ranks start
     overrides = [
         "model=tiny", "model.path=null", "data=demo", f"data.path={shards}", *demo,
         "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=64",

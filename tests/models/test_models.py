@@ -12,7 +12,7 @@ from crm.data.padding import pad_rows
 from crm.models.backbone import ARCHITECTURES, build_classifier, choose_attention, count_parameters
 from crm.models.heads import PairwiseCRM, PointwiseCRM, last_token_logits
 from crm.models.export import export_crm, load_export, read_meta
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.core.prompts import PromptEncoder, PromptTemplate
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -44,8 +44,8 @@ def test_attention_choice_on_cpu():
 def tiny_crm(kind: str, num_labels: int = 2, seed: int = 0):
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
-    return build_crm(kind, num_labels=num_labels, pad_token_id=tok.pad_token_id,
-                     arch={**TINY, "vocab_size": len(tok)}, attention="sdpa"), tok
+    return build_crm(ModelConfig(arch=TINY, attention="sdpa"), LossConfig(kind),
+                     num_labels=num_labels, pad_token_id=tok.pad_token_id, vocab_size=len(tok)), tok
 
 
 def encoded_pairs(tok, n: int = 4) -> list[list[int]]:
@@ -142,10 +142,11 @@ def test_export_loads_in_plain_transformers_with_identical_logits(tmp_path, kind
 def test_model_from_a_local_checkpoint_path(tmp_path):
     crm, tok = tiny_crm("pairwise")
     crm.model.save_pretrained(tmp_path)
-    loaded = build_crm("pairwise", num_labels=2, pad_token_id=None, path=str(tmp_path), attention="sdpa")
+    loaded = build_crm(ModelConfig(path=str(tmp_path), attention="sdpa"), LossConfig("pairwise"),
+                       num_labels=2, pad_token_id=None)
     assert isinstance(loaded, PairwiseCRM) and loaded.model.config.pad_token_id == tok.pad_token_id
     for a, b in zip(crm.parameters(), loaded.parameters()):
         torch.testing.assert_close(a, b)
-    pointwise = build_crm("pointwise", num_labels=1, pad_token_id=None, path=str(tmp_path),
-                          attention="sdpa")
+    pointwise = build_crm(ModelConfig(path=str(tmp_path), attention="sdpa"), LossConfig("pointwise"),
+                          num_labels=1, pad_token_id=None)
     assert isinstance(pointwise, PointwiseCRM) and pointwise.model.config.num_labels == 1

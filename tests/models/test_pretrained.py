@@ -20,7 +20,7 @@ from transformers import (AutoModelForSequenceClassification, Qwen3Config, Qwen3
                           Qwen3ForSequenceClassification)
 
 from crm.data.stream import pad_rows
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 
 PAD = 0
 # An odd vocabulary and 3 kv heads: dimensions that do not split evenly over 2 ranks.
@@ -71,8 +71,8 @@ def plain_logits(model) -> torch.Tensor:
 
 def loaded(path: Path, seed: int = 0):
     torch.manual_seed(seed)
-    return build_crm("pairwise", num_labels=2, pad_token_id=None, path=str(path),
-                     attention="sdpa").eval()
+    return build_crm(ModelConfig(path=str(path), attention="sdpa"), LossConfig("pairwise"),
+                     num_labels=2, pad_token_id=None).eval()
 
 
 def crm_logits(crm) -> torch.Tensor:
@@ -124,8 +124,8 @@ def test_a_head_of_another_size_starts_fresh_with_a_warning(checkpoints, caplog)
     stored = load_file(path / "model.safetensors")
     torch.testing.assert_close(crm.model.model.embed_tokens.weight,
                                stored["model.embed_tokens.weight"], atol=0, rtol=0)
-    pointwise = build_crm("pointwise", num_labels=1, pad_token_id=None, path=str(path),
-                          attention="sdpa")
+    pointwise = build_crm(ModelConfig(path=str(path), attention="sdpa"), LossConfig("pointwise"),
+                          num_labels=1, pad_token_id=None)
     assert pointwise.model.score.weight.shape == (1, TINY["hidden_size"])
 
 
@@ -146,8 +146,8 @@ def test_a_checkpoint_without_safetensors_is_an_error(checkpoints, tmp_path):
 
 def test_on_the_meta_device_nothing_is_read(checkpoints):
     path = str(checkpoints["classifier"])
-    crm = build_crm("pairwise", num_labels=2, pad_token_id=None, path=path, attention="sdpa",
-                    device="meta")
+    crm = build_crm(ModelConfig(path=path, attention="sdpa"), LossConfig("pairwise"), num_labels=2,
+                    pad_token_id=None, device="meta")
     assert all(t.is_meta for t in [*crm.parameters(), *crm.buffers()])
     assert crm.model.name_or_path == path  # what build_sharded loads
 

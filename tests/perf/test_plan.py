@@ -103,25 +103,72 @@ def test_memory_plan_by_hand(small):
     assert p["states"] == TOTAL * 16 / 2 and p["states_all_gpus"] == TOTAL * 16
     # root (embedding + final norm + head) and 2 layers in bf16, one layer's fp32 gradient
     assert p["unsharded"] == (small.root_params + 2 * LAYER) * 2 + LAYER * 4 == 309_376
-    # layer set per token: 4h + 3q + 3k + 4i = 256 + 192 + 96 + 512 = 1,056 elements
-    # checkpointed: 10 tokens x (L h + 2 x 1,056) x 2 B; full: 10 x (L + 1) x 1,056 x 2 B
-    assert p["activations_checkpointed"] == 10 * (2 * 64 + 2 * 1056) * 2 == 44_800
-    assert p["activations_full"] == 10 * 3 * 1056 * 2 == 63_360
-    assert p["head"] == 10 * 2 * 64 * 2 + 2 * 4  # final norm in/out + the logits: tiny
-    fixed = p["states"] + p["unsharded"] + p["head"]
-    assert p["total"] == p["total_checkpointed"] == fixed + 44_800
-    assert p["total_full"] == fixed + 63_360
+    # a bf16 layer keeps 16h + 10q + 10k + 8i + 8H + 4KV + 8 bytes per token:
+    # 1,024 + 640 + 320 + 1,024 + 32 + 8 + 8 = 3,056; outside the layers 6h + 12 + 4d = 460.
+    # checkpointed: 10 tokens x (L h x 2 B + one layer recomputed + the rest); full: every layer
+    assert p["activations_checkpointed"] == 10 * (2 * 64 * 2 + 3056 + 460) == 37_720
+    assert p["activations_full"] == 10 * (2 * 3056 + 460) == 65_720
+    fixed = p["states"] + p["unsharded"]
+    assert p["total"] == p["total_checkpointed"] == fixed + 37_720
+    assert p["total_full"] == fixed + 65_720
 
-    eager = plan_bytes(memory_plan(small, world=2, seq_len=10, flash=False))
-    assert eager["activations_checkpointed"] == 10 * (2 * 64 + 2 * (1056 + 10 * 4)) * 2  # + S x heads
+    eager = plan_bytes(memory_plan(small, world=2, seq_len=10, attention="eager"))
+    assert eager["activations_checkpointed"] == 10 * (2 * 64 * 2 + 3056 + 4 * 10 * 6 + 460)  # softmax
 
     pointwise = plan_bytes(memory_plan(small, world=2, seq_len=10, kind="pointwise"))
-    assert pointwise["activations_checkpointed"] == 2 * 44_800  # chosen + rejected rows
+    assert pointwise["activations_checkpointed"] == 2 * 37_720  # chosen + rejected rows
 
     true16 = plan_bytes(memory_plan(small, world=2, seq_len=10, precision="bf16-true"))
-    assert true16["states"] == TOTAL * 8 / 2 and true16["activations_full"] == 63_360
+    assert true16["states"] == TOTAL * 8 / 2 and true16["activations_full"] == 65_720
+    # float32: 24h + 16q + 16k + 16i + 48 = 5,168 per layer, 8h + 12 + 8d = 652 outside
     fp32 = plan_bytes(memory_plan(small, world=2, seq_len=10, precision="32-true"))
-    assert fp32["states"] == TOTAL * 16 / 2 and fp32["activations_full"] == 2 * 63_360
+    assert fp32["states"] == TOTAL * 16 / 2 and fp32["activations_full"] == 10 * (2 * 5168 + 652)
+    # DDP / one GPU, bf16-mixed: autocast over float32 weights, a bf16 copy of every matmul weight
+    ddp = plan_bytes(memory_plan(small, world=2, seq_len=10, strategy="ddp"))
+    assert ddp["states"] == TOTAL * 16  # whole on every GPU
+    assert ddp["unsharded"] == 0 and ddp["weight_copies"] == 2 * LAYER * 2
+    assert ddp["activations_full"] == 10 * (2 * (26 * 64 + 2032) + 652)
+
+
+@pytest.mark.parametrize("precision,strategy", [("bf16-true", "fsdp"), ("bf16-mixed", "ddp"),
+                                                ("32-true", "fsdp")])
+def test_activations_are_what_autograd_keeps(precision, strategy):
+    """The plan's eager activations against a live count of every tensor autograd saves in a
+    forward of the whole classifier (crm.perf.inventory), within the per-row head and loss."""
+    from crm.models.heads import PairwiseCRM
+    from crm.perf.inventory import saved_bytes
+    from crm.perf.memory import compute_mode
+
+    mode = compute_mode(precision, strategy)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    crm = PairwiseCRM(build_classifier(num_labels=2, pad_token_id=0, arch=SMALL, attention="sdpa",
+                                       dtype=dtype))
+    ids = torch.randint(1, 100, (1, 24))
+    parameters = {p.untyped_storage().data_ptr() for p in crm.parameters()}
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            return crm(ids, torch.ones_like(ids))
+
+    kept = saved_bytes(run, parameters)
+    plan = plan_bytes(memory_plan(ModelShape.from_model(crm.model), world=1, seq_len=24,
+                                  precision=precision, strategy=strategy, activation_checkpointing=False))
+    # autocast's bf16 weight copies: the plan counts the norms' weights too, which stay float32
+    copies = plan["weight_copies"] - (2 * 2 * (2 * 64 + 2 * 16) if mode == "autocast" else 0)
+    # left out of the plan: the head's row (its input, the logits) and under autocast its weight's copy
+    assert abs(kept - plan["activations_full"] - copies) <= 4 * 64 + 64 + 2 * 64 * 2
+
+
+def test_one_micro_batch_per_step_peaks_at_the_larger_of_gradients_and_activations(small):
+    kw = dict(world=1, seq_len=10, activation_checkpointing=False)
+    held = plan_bytes(memory_plan(small, **kw))  # accumulation: the earlier gradients stay
+    alone = plan_bytes(memory_plan(small, accumulating=False, **kw))
+    fixed = held["params"] + held["optimizer"] + held["unsharded"]
+    assert held["total"] == fixed + held["grads"] + held["activations_full"]
+    assert alone["total"] == fixed + max(held["grads"], held["activations_full"])
+    long_rows = plan_bytes(memory_plan(small, accumulating=False, **{**kw, "seq_len": 10_000}))
+    assert long_rows["total"] == fixed + long_rows["activations_full"]  # activations dominate
 
 
 def test_fits_keeps_the_headroom(small):
@@ -151,7 +198,6 @@ def test_qwen3_4b_and_8b_fit_8_x_80_gib_as_perf_md_says(shapes, arch, states_tot
     assert s.layers * s.hidden * 2 == block_kib * 1024  # block inputs per token (docs/PERFORMANCE.md)
     assert p["fits"] and p["total_gib"] < 0.5 * p["usable_gib"]
     assert p["activations_checkpointed_gib"] < p["activations_full_gib"] / 5
-    assert p["head_gib"] < 0.1
 
 
 def test_host_memory_at_start_up_by_hand(small):
@@ -220,6 +266,13 @@ def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
     assert "no peak known for gpu=v100" in capsys.readouterr().out
     _, plan = run_plan(tmp_path, "model=qwen3-8b", "gpu=v100", "peak_tflops=125")
     assert plan["flops"]["peak_flops_per_gpu"] == 125e12
+    # one micro batch a step (64 = 8 x 8 GPUs): gradients and activations peak apart
+    _, alone = run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=64")
+    _, held = run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=128")
+    assert not alone["memory"]["accumulating"] and held["memory"]["accumulating"]
+    assert alone["memory"]["total_gib"] < held["memory"]["total_gib"]
+    with pytest.raises(ValueError, match="global_batch_size=100 is not a multiple of micro_batch_size=8"):
+        run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=100")
 
 
 def test_crm_plan_console_script_is_installed():

@@ -28,7 +28,8 @@ from helpers import free_port
 from hydra import compose, initialize_config_module
 
 from crm.core.errors import ConfigError
-from crm.data.demo import prepare_demo
+import crm.cli.train  # noqa: F401  (registers train.yaml's schema)
+from crm.data.demo import DemoConfig, prepare_demo
 from crm.data.manifest import load_manifest
 from crm.models.checkpoint import SHARDED_META, is_complete_checkpoint, load_checkpoint, model_weights
 from crm.training.trainer import resolve_resume
@@ -210,7 +211,7 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("crm_dist")
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=[*DEMO, f"paths.root_dir={root}"])
-    manifest = load_manifest(prepare_demo(cfg.data.path, **cfg.data.demo))
+    manifest = load_manifest(prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo)))
     eligible = {split: sum(s.eligible(keep_ties=False) for s in manifest.shards(split))
                 for split in ("train", "val")}
     assert eligible == {"train": TRAIN_RECORDS, "val": 16}, eligible  # see DEMO

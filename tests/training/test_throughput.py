@@ -20,7 +20,7 @@ from crm.data.padding import pad_rows
 from crm.perf.flops import ModelShape, flops_per_token
 from crm.training.module import CRMModule, OptimConfig
 from crm.training.throughput import Throughput
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 
 VOCAB, PAD = 64, 0
 ARCH = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -79,8 +79,9 @@ def batches(n: int, lengths=LENGTHS) -> list[dict]:
 
 
 def module() -> CRMModule:
-    return CRMModule(partial(build_crm, "pairwise", num_labels=2, pad_token_id=PAD, arch=ARCH,
-                             attention="sdpa"), OptimConfig(warmup_steps=0))
+    return CRMModule(partial(build_crm, ModelConfig(arch=ARCH, attention="sdpa"),
+                             LossConfig("pairwise"), num_labels=2, pad_token_id=PAD),
+                     OptimConfig(warmup_steps=0))
 
 
 def fit(throughput: Throughput, clock: Clock, *, steps: int, accumulate: int = 1,
@@ -129,8 +130,8 @@ def test_tokens_samples_and_mfu_from_known_batches():
 
 
 def throughput_model_config():
-    return build_crm("pairwise", num_labels=2, pad_token_id=PAD, arch=ARCH,
-                     attention="sdpa", device="meta").model.config
+    return build_crm(ModelConfig(arch=ARCH, attention="sdpa"), LossConfig("pairwise"), num_labels=2,
+                     pad_token_id=PAD, device="meta").model.config
 
 
 def test_no_peak_no_mfu():

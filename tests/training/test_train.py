@@ -26,10 +26,11 @@ from transformers import AutoTokenizer
 import crm_configs
 from crm.models.checkpoint import load_checkpoint, model_weights
 from crm.core.errors import ConfigError
+from crm.cli.common import settings
 from crm.cli.train import train, transform_config
 from crm.training.module import CRMModule, OptimConfig
 from crm.training.trainer import batch_plan, world_size
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.data.padding import pad_rows
 from crm.core.records import Message
 
@@ -131,9 +132,12 @@ def test_world_size_and_accumulation_of_the_trainer_configs():
     assert world_size(compose_train(["trainer=cpu"]).trainer) == 1
     assert world_size(compose_train(["trainer=ddp"]).trainer) == 2
     assert world_size(compose_train(["trainer=ddp", "trainer.num_nodes=3"]).trainer) == 6
+    gpu = compose_train(["trainer=gpu"]).trainer
+    # the demo recipe on one GPU: the cpu group's steps
+    assert (world_size(gpu), gpu.max_steps) == (1, compose_train([]).trainer.max_steps)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device is visible"):
-            world_size(compose_train(["trainer=gpu"]).trainer)
+            world_size(compose_train(["trainer=fsdp"]).trainer)
     assert batch_plan(32, 4, 1, 64) == (4, 8)
     assert batch_plan(32, 8, 2, 64) == (8, 2)
     with pytest.raises(ConfigError, match="not a multiple of micro_batch_size=8 x 3 ranks"):
@@ -152,10 +156,11 @@ def test_auto_micro_batch_is_the_largest_that_divides_a_ranks_share():
 
 def test_direction_curriculum_steps_become_micro_batches_of_a_rank():
     cfg = compose_train(["direction=curriculum", "direction.warmup_steps=150"])
-    transform = transform_config(cfg, accumulation=2)
+    transform = transform_config(settings(cfg), accumulation=2)
     assert (transform.direction, transform.warmup_direction) == ("random", "original")
     assert transform.warmup_batches == 300
-    assert transform_config(compose_train(["direction=random"]), accumulation=2).warmup_batches == 0
+    random = settings(compose_train(["direction=random"]))
+    assert transform_config(random, accumulation=2).warmup_batches == 0
 
 
 # -- 2. every loss x noise x direction ------------------------------------------------------------
@@ -472,8 +477,9 @@ def test_precision_dtypes_of_parameters_gradients_and_optimizer(precision, build
     tok = tiny_tokenizer()
     arch = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=16, intermediate_size=64, vocab_size=len(tok))
-    module = CRMModule(partial(build_crm, "pairwise", num_labels=2, pad_token_id=tok.pad_token_id,
-                               arch=arch, attention="sdpa", dtype=build),
+    module = CRMModule(partial(build_crm, ModelConfig(arch=arch, attention="sdpa",
+                                                   dtype=str(build).removeprefix("torch.")),
+                               LossConfig("pairwise"), num_labels=2, pad_token_id=tok.pad_token_id),
                        OptimConfig(warmup_steps=0))
     probe = DtypeProbe()
     trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, max_steps=2,

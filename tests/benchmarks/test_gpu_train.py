@@ -1,0 +1,36 @@
+"""benchmarks/gpu_train.py keeps working where CI runs it: without CUDA it is a smoke test of its
+harness (crm-train with the step-statistics callback, the plan beside it, crm against TRL), on the
+tiny model, a few steps each. Its figures are not GPU figures and it says so."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_train.py"
+
+
+@pytest.mark.slow  # five short runs in processes of their own: 40-80 s on 2 cores
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs the real sizes")
+def test_without_cuda_the_benchmark_smoke_tests_its_harness():
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["device"] == "cpu"
+    (run,) = result["crm_train"]
+    assert "error" not in run, run.get("error")
+    assert run["size"] == "tiny" and run["timed_steps"] == 4  # 6 steps, the first 2 untimed
+    assert run["tokens_per_s"] > 0 and 0 < run["real_token_fraction"] <= 1
+    assert run["step_seconds_p50"] <= run["step_seconds_p95"]
+    assert run["mfu"] is None and run["peak_allocated_gib"] is None  # no GPU: no peak, no CUDA memory
+    rows, width = run["widest_micro_batch"]
+    assert rows == 8 and 0 < width <= 384
+    assert run["plan"]["at_widest_batch_gib"] <= run["plan"]["at_max_tokens_gib"]
+    trl = result["crm_vs_trl"]
+    assert "error" not in trl, trl.get("error")
+    assert trl["crm_pointwise"]["samples_per_s"] > 0 and trl["trl_reward_trainer"]["samples_per_s"] > 0
+    assert trl["setup"]["device"] == "cpu" and trl["ratio_crm_over_trl"] > 0

@@ -1,0 +1,79 @@
+"""Training with compiled decoder layers (crm.models.compile): FSDP2 at world 2 gives eager's losses
+and gradients, a compiled run's checkpoints load, resume and export with an eager run's keys, and
+the settings that cannot work stop the run at start with one line.
+
+The layer is tests/helpers.py's COMPILE_ARCH, as in tests/models/test_compile.py: inductor's
+kernels are built once per session and found in its cache afterwards.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import COMPILE_ARCH
+from safetensors.torch import load_file
+from test_train import run_train
+
+from crm.core.errors import ConfigError
+from crm.models import compile as compiling
+
+SCRIPT = Path(__file__).parents[1] / "dist" / "compiled_fsdp.py"
+RTOL, ATOL = 1e-4, 1e-6  # float32; inductor sums in another order (tests/models/test_compile.py)
+ARCH_OVERRIDES = [f"model.arch.{k}={v}" for k, v in COMPILE_ARCH.items()]
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")  # tests/conftest.py
+
+
+@pytest.mark.slow  # two processes, each building its model twice: 30-60 s on 2 cores
+@pytest.mark.parametrize("kind", ["pairwise"])
+def test_fsdp2_world_2_compiled_layers_give_eager_losses_and_gradients(kind, tmp_path):
+    out = tmp_path / "result.safetensors"
+    arch = {**COMPILE_ARCH, "vocab_size": 256}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPT), kind, json.dumps(arch), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = load_file(out)
+    assert int(r["graph_breaks"]) == 0 and int(r["graphs"]) >= 1
+    for step in (0, 1):
+        torch.testing.assert_close(r[f"loss_True_{step}"], r[f"loss_False_{step}"], rtol=RTOL, atol=ATOL)
+    grads = [k.removeprefix("grad_False_") for k in r if k.startswith("grad_False_")]
+    assert grads and all(f"grad_True_{name}" in r for name in grads)
+    for name in grads:
+        torch.testing.assert_close(r[f"grad_True_{name}"], r[f"grad_False_{name}"], rtol=RTOL,
+                                   atol=ATOL, msg=name)
+
+
+def test_a_compiled_run_checkpoints_resumes_and_exports_with_eager_keys(demo_root, tmp_path):
+    common = [*ARCH_OVERRIDES, "parallel.activation_checkpointing=true", "save_every_n_steps=2",
+              "perf.log_every_n_steps=1", "export=true"]
+    runs = {}
+    for compile in (False, True):
+        run_dir = tmp_path / f"compile-{compile}"
+        metrics = run_train(demo_root, run_dir, *common, f"compile={str(compile).lower()}")
+        assert metrics["train"]["global_step"] == 2
+        ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        export = load_file(run_dir / "export" / "model.safetensors")
+        runs[compile] = (run_dir, ckpt, export, metrics)
+    (_, eager_ckpt, eager_export, _), (run_dir, ckpt, export, metrics) = runs[False], runs[True]
+    assert ckpt["state_dict"].keys() == eager_ckpt["state_dict"].keys()
+    assert len(ckpt["optimizer_states"][0]["state"]) == len(eager_ckpt["optimizer_states"][0]["state"])
+    assert export.keys() == eager_export.keys()
+    assert metrics["train"]["throughput"]["perf/compiled_graphs"] >= 1
+    assert metrics["train"]["throughput"]["perf/graph_breaks"] == 0
+    resumed = run_train(demo_root, run_dir, *common, "compile=true", "trainer.max_steps=4", "resume=auto")
+    assert resumed["train"]["resumed_from"] == str(run_dir / "checkpoints" / "last.ckpt")
+    assert resumed["train"]["global_step"] == 4
+
+
+def test_compile_true_where_inductor_cannot_is_refused_at_start(demo_root, tmp_path, monkeypatch):
+    monkeypatch.setattr(compiling, "why_not_compilable", lambda device: "no C++ compiler found (test)")
+    with pytest.raises(ConfigError, match=r"compile=true on cpu: no C\+\+ compiler found \(test\); set "
+                                          r"compile=false"):
+        run_train(demo_root, tmp_path / "run", "compile=true")
+    # auto on CPU does not compile at all; on a machine that cannot, auto falls back to eager
+    assert run_train(demo_root, tmp_path / "auto", "compile=auto")["train"]["global_step"] == 2
