@@ -11,22 +11,37 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import one_line_config_errors
+from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
+from crm.rl.demo import Plan
 
 log = logging.getLogger("crm.rl")
 
 
-def check_inputs(cfg: DictConfig) -> None:
+@dataclass(frozen=True)
+class RlConfig(Plan):
+    """configs/rl.yaml's keys and their types: the harness's Plan, and where and how it runs."""
+
+    paths: PathsConfig = MISSING
+    name: str = MISSING
+    torch_threads: int | None = MISSING
+
+
+register_schema("rl", RlConfig)
+
+
+def check_inputs(cfg: RlConfig) -> None:
     """A missing CRM or prompt file stops the start with what to do about it."""
-    missing = [f"{key}={cfg[key]}" for key in ("checkpoint", "prompts") if not Path(cfg[key]).exists()]
+    missing = [f"{key}={getattr(cfg, key)}" for key in ("checkpoint", "prompts")
+               if not Path(getattr(cfg, key)).exists()]
     if cfg.controls.flipped not in (None, "derived") and not Path(cfg.controls.flipped).exists():
         missing.append(f"controls.flipped={cfg.controls.flipped}")
     if missing:
@@ -38,49 +53,6 @@ def check_inputs(cfg: DictConfig) -> None:
         raise ConfigError(f"policy.path={cfg.policy.path}: no such directory (a local HF causal LM)")
 
 
-def plan_of(cfg: DictConfig):
-    """The harness's plan (plain dataclasses) from the config, every setting checked."""
-    from crm.rl.demo import (EXPECT, Controls, Guards, Measure, Plan, RewardSettings, Run,
-                             WarmUp)
-    from crm.rl.grpo import GRPOSettings
-    from crm.rl.policy import PolicyConfig
-
-    if not cfg.runs:
-        raise ConfigError("runs: no runs; e.g. 'runs=[{name: mine, criteria: [\"I like short answers.\"]}]'")
-    runs = {}
-    for i, spec in enumerate(cfg.runs):
-        name = spec.get("name")
-        if not isinstance(name, str) or not name or name in runs:
-            raise ConfigError(f"runs[{i}].name: a name of its own is needed ({name!r})")
-        criteria = spec.get("criteria")
-        criteria = [criteria] if isinstance(criteria, str) else list(criteria or [])
-        if not criteria or not all(isinstance(c, str) and c.strip() for c in criteria):
-            raise ConfigError(f"runs[{i}].criteria: a non-empty list of non-empty strings")
-        expect = spec.get("expect")
-        if expect is not None and expect not in EXPECT:
-            raise ConfigError(f"runs[{i}].expect={expect}: shorter, longer or null")
-        runs[str(name)] = Run(tuple(criteria), expect)
-    if cfg.guards.under is not None and cfg.guards.under not in runs:
-        raise ConfigError(f"guards.under={cfg.guards.under}: not a run ({', '.join(runs)}); "
-                          "null: no guard runs")
-    if cfg.policy.path is None and cfg.policy.warm_up.steps < 1:
-        raise ConfigError("policy.warm_up.steps: the tiny policy needs a warm-up (at least 1 step) "
-                          "to stop before the length limit")
-    grpo = GRPOSettings(**OmegaConf.to_container(cfg.grpo), seed=cfg.seed)
-    if grpo.max_steps < 1 or grpo.num_generations < 2 or grpo.max_completion_length < 1:
-        raise ConfigError("grpo: max_steps >= 1, num_generations >= 2 (GRPO compares a group) and "
-                          "max_completion_length >= 1")
-    return Plan(checkpoint=str(cfg.checkpoint), prompts=str(cfg.prompts), runs=runs,
-                reward=RewardSettings(**OmegaConf.to_container(cfg.reward)), grpo=grpo,
-                policy_path=cfg.policy.path,
-                policy=PolicyConfig(**OmegaConf.to_container(cfg.policy.arch)),
-                warm_up=WarmUp(**OmegaConf.to_container(cfg.policy.warm_up)),
-                measure=Measure(**OmegaConf.to_container(cfg.measure)),
-                controls=Controls(**OmegaConf.to_container(cfg.controls)),
-                guards=Guards(**OmegaConf.to_container(cfg.guards)), seed=cfg.seed,
-                device=cfg.device)
-
-
 def run(cfg: DictConfig) -> dict:
     import torch
 
@@ -90,13 +62,13 @@ def run(cfg: DictConfig) -> dict:
     from crm.rl.demo import run as run_plan
 
     started = time.time()
+    cfg = settings(cfg)
     check_inputs(cfg)
-    plan = plan_of(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        result = run_plan(plan, run_dir)
+        result = run_plan(cfg, run_dir)
     except (CRMRewardError, PlanError, RecordError) as exc:  # bad input: one line, exit 2
         raise ConfigError(str(exc)) from None
     result["wall_seconds"] = round(time.time() - started, 1)

@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from crm.inference.scorer import CRMScorer
@@ -24,15 +22,13 @@ def constant_reward(value: float = 0.5):
     return constant
 
 
-def flipped_scorer(scorer: CRMScorer) -> CRMScorer:
-    """A copy of `scorer` whose model prefers what the original disprefers (see the module doc)."""
-    model = copy.deepcopy(scorer.model)
-    head = model.score.weight  # Qwen3ForSequenceClassification's head: (num_labels, hidden), no bias
+def flip(scorer: CRMScorer) -> CRMScorer:
+    """`scorer`, its model made to prefer what it dispreferred (see the module doc), in place:
+    give it a scorer loaded for the purpose."""
+    head = scorer.model.score.weight  # Qwen3ForSequenceClassification's head: (labels, hidden), no bias
     with torch.no_grad():
         if scorer.kind == "pointwise":
             head.neg_()
         else:
             head[[0, 1]] = head[[1, 0]].clone()  # model_a <-> model_b; a tie row stays
-    return CRMScorer(model, scorer.tokenizer, scorer.template, scorer.kind,
-                     scorer.encoder.max_tokens, batch_size=scorer.batch_size, device=scorer.device,
-                     prefix_reuse=scorer.prefix_reuse)
+    return scorer

@@ -19,15 +19,16 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING
 
 from crm.core.records import read_lines
-from crm.inference.reward import CRMReward, load_crm_scorer
+from crm.inference.reward import STRATEGIES, CRMReward, load_crm_scorer
 from crm.inference.scorer import CRMScorer
-from crm.rl.controls import constant_reward, flipped_scorer
+from crm.rl.controls import constant_reward, flip
 from crm.rl.grpo import GRPOSettings, train_grpo
 from crm.rl.policy import PolicyConfig, Samples, build_policy, load_policy, sample, warm_up
 
@@ -39,10 +40,20 @@ class PlanError(ValueError):
     """Input the harness cannot run on (crm-rl reports it as one line)."""
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: a list's elements stay overridable (runs.0.expect=...)
 class Run:
-    criteria: tuple[str, ...]
-    expect: str | None = None  # shorter | longer | None: the direction the harness checks
+    """One GRPO run under the CRM: its name, the criteria, the direction the harness checks."""
+
+    name: str = MISSING
+    criteria: list[str] = MISSING
+    expect: str | None = None  # shorter | longer | None (no check: criteria not about length)
+
+    def __post_init__(self):
+        if not self.criteria or not all(isinstance(c, str) and c.strip() for c in self.criteria):
+            raise ValueError(f"runs: {self.name}: criteria must be a non-empty list of non-empty "
+                             "strings")
+        if self.expect is not None and self.expect not in EXPECT:
+            raise ValueError(f"runs: {self.name}: expect={self.expect}: shorter, longer or null")
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,10 @@ class RewardSettings:
     log_odds: bool = False
     batch_size: int = 32
 
+    def __post_init__(self):
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ValueError(f"reward.strategy={self.strategy}: null or one of {', '.join(STRATEGIES)}")
+
 
 @dataclass(frozen=True)
 class WarmUp:
@@ -59,6 +74,18 @@ class WarmUp:
     batch_size: int = 16
     lr: float = 3e-3
     max_sentences: int = 5
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    path: str | None = None  # a local HF causal LM and its tokenizer; None: the tiny one, warmed up
+    arch: PolicyConfig = field(default_factory=PolicyConfig)
+    warm_up: WarmUp = field(default_factory=WarmUp)
+
+    def __post_init__(self):
+        if self.path is None and self.warm_up.steps < 1:
+            raise ValueError("policy.warm_up.steps: the tiny policy needs a warm-up (at least 1 "
+                             "step) to stop before the length limit")
 
 
 @dataclass(frozen=True)
@@ -87,19 +114,32 @@ class Guards:
 
 @dataclass(frozen=True)
 class Plan:
-    checkpoint: str
-    prompts: str
-    runs: dict[str, Run]
-    reward: RewardSettings = RewardSettings()
-    grpo: GRPOSettings = GRPOSettings()
-    policy_path: str | None = None  # a local HF causal LM; None: the tiny one, warmed up
-    policy: PolicyConfig = PolicyConfig()
-    warm_up: WarmUp = WarmUp()
-    measure: Measure = Measure()
-    controls: Controls = Controls()
-    guards: Guards = Guards()
+    """Everything a crm-rl run does (configs/rl.yaml, whose schema extends it)."""
+
+    checkpoint: str = MISSING
+    prompts: str = MISSING
+    runs: list[Run] = MISSING
+    reward: RewardSettings = field(default_factory=RewardSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    measure: Measure = field(default_factory=Measure)
+    controls: Controls = field(default_factory=Controls)
+    guards: Guards = field(default_factory=Guards)
     seed: int = 0
-    device: str | None = None  # None: cuda when visible, else cpu
+    device: str | None = None  # the CRM's: None, cuda when visible, else cpu
+
+    def __post_init__(self):
+        if self.runs == MISSING:
+            return  # a schema still being composed
+        names = [r.name for r in self.runs]
+        if not names:
+            raise ValueError("runs: no runs; e.g. 'runs=[{name: mine, criteria: [\"I like short "
+                             "answers.\"]}]'")
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs: two runs share a name ({', '.join(names)})")
+        if self.guards.under is not None and self.guards.under not in names:
+            raise ValueError(f"guards.under={self.guards.under}: not a run ({', '.join(names)}); "
+                             "null: no guard runs")
 
 
 def read_prompts(path: str | Path) -> dict[str, list[str]]:
@@ -167,7 +207,7 @@ def run(plan: Plan, out_dir: Path) -> dict:
         t0 = time.perf_counter()
         model = load_policy(initial_dir)
         history = train_grpo(model, tokenizer, train_queries, criteria, reward_funcs, grpo,
-                             out_dir / "trl" / name)
+                             plan.seed, out_dir / "trl" / name)
         final = measure(model)
         entry = {"reward": about, "criteria": list(criteria) if criteria else None,
                  "length": final.summary(max_len),
@@ -188,17 +228,17 @@ def run(plan: Plan, out_dir: Path) -> dict:
         return [CRMReward(scorer, strategy, tau=plan.reward.tau, log_odds=log_odds)]
 
     runs = result["runs"]
-    for name, spec in plan.runs.items():
-        runs[name] = one_run(name, crm_funcs(crm), spec.criteria, crm, plan.grpo,
+    for spec in plan.runs:
+        runs[spec.name] = one_run(spec.name, crm_funcs(crm), spec.criteria, crm, plan.grpo,
                              f"the CRM, {strategy}")
     if plan.controls.constant:
         runs["constant"] = one_run("constant", [constant_reward()], None, None, plan.grpo,
                                    "constant 0.5 for every completion")
     if flipped is not None:
         scorer, about = flipped
-        for name, spec in plan.runs.items():
+        for spec in plan.runs:
             if spec.expect:
-                runs[f"flipped_{name}"] = one_run(f"flipped_{name}", crm_funcs(scorer),
+                runs[f"flipped_{spec.name}"] = one_run(f"flipped_{spec.name}", crm_funcs(scorer),
                                                   spec.criteria, scorer, plan.grpo, about)
     result["guards"] = _guard_runs(plan, strategy, runs, one_run, crm_funcs, crm)
     result["evidence"] = evidence(plan, runs)
@@ -239,20 +279,21 @@ def judge(scorer: CRMScorer, criteria, initial: Samples, final: Samples, start: 
 
 
 def _initial_policy(plan: Plan, crm: CRMScorer, answers: dict[str, list[str]]):
-    if plan.policy_path:
+    if plan.policy.path:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(plan.policy_path, local_files_only=True)
-        return load_policy(plan.policy_path), tokenizer, {"path": plan.policy_path, "warm_up": None}
+        path = plan.policy.path
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return load_policy(path), tokenizer, {"path": path, "warm_up": None}
     tokenizer = crm.tokenizer
-    policy = build_policy(tokenizer, plan.policy, plan.seed)
+    policy = build_policy(tokenizer, plan.policy.arch, plan.seed)
     t0 = time.perf_counter()
     pairs = [(q, a) for q, texts in answers.items() for a in texts]
-    w = plan.warm_up
+    w = plan.policy.warm_up
     losses = warm_up(policy, tokenizer, pairs, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                      max_sentences=w.max_sentences, seed=plan.seed)
     info = {"built": "tiny Qwen3ForCausalLM from a local config, randomly initialised",
-            "config": asdict(plan.policy), "parameters": sum(p.numel() for p in policy.parameters()),
+            "config": asdict(plan.policy.arch), "parameters": sum(p.numel() for p in policy.parameters()),
             "tokenizer": "the CRM's",
             "warm_up": {**asdict(w), "loss_first": round(losses[0], 3),
                         "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 3),
@@ -265,10 +306,12 @@ def _initial_policy(plan: Plan, crm: CRMScorer, answers: dict[str, list[str]]):
 def _flipped(plan: Plan, crm: CRMScorer, device):
     if plan.controls.flipped is None:
         return None
-    if plan.controls.flipped == "derived":
-        return flipped_scorer(crm), ("DERIVED flipped CRM (not trained): the CRM with its two "
-                                     "label rows swapped" if crm.kind == "pairwise" else
-                                     "DERIVED flipped CRM (not trained): the CRM's reward negated")
+    if plan.controls.flipped == "derived":  # a second copy of the CRM, flipped
+        scorer = flip(load_crm_scorer(plan.checkpoint, batch_size=plan.reward.batch_size,
+                                      device=device))
+        return scorer, ("DERIVED flipped CRM (not trained): the CRM with its two label rows "
+                        "swapped" if crm.kind == "pairwise" else
+                        "DERIVED flipped CRM (not trained): the CRM's reward negated")
     scorer = load_crm_scorer(plan.controls.flipped, batch_size=plan.reward.batch_size, device=device)
     return scorer, f"a CRM trained on flipped labels: {plan.controls.flipped}"
 
@@ -277,7 +320,7 @@ def _guard_runs(plan: Plan, strategy: str, runs: dict, one_run, crm_funcs, crm) 
     g = plan.guards
     if g.under is None:
         return {}
-    spec, base = plan.runs[g.under], runs[g.under]
+    spec, base = next(r for r in plan.runs if r.name == g.under), runs[g.under]
     out = {}
     about = f"the CRM, {strategy}"
     if g.beta:
@@ -304,14 +347,15 @@ def _guard_runs(plan: Plan, strategy: str, runs: dict, one_run, crm_funcs, crm) 
 def evidence(plan: Plan, runs: dict) -> dict:
     """The checks of the module doc, on the measured lengths."""
     checks, max_len = {}, plan.grpo.max_completion_length
-    for name, spec in plan.runs.items():
+    for spec in plan.runs:
+        name = spec.name
         if spec.expect:
             sign = EXPECT[spec.expect]
             checks[f"{name}_{spec.expect}_than_initial"] = sign * runs[name]["length_change"] > 0
             if f"flipped_{name}" in runs:
                 checks[f"flipped_{name}_reverses"] = -sign * runs[f"flipped_{name}"]["length_change"] > 0
-    shorter = [n for n, s in plan.runs.items() if s.expect == "shorter"]
-    longer = [n for n, s in plan.runs.items() if s.expect == "longer"]
+    shorter = [r.name for r in plan.runs if r.expect == "shorter"]
+    longer = [r.name for r in plan.runs if r.expect == "longer"]
     out = {"epsilon_share_of_max": plan.controls.epsilon, "min_gap_share_of_max": plan.controls.min_gap}
     if shorter and longer:
         gap = (min(runs[n]["length"]["mean_tokens"] for n in longer)

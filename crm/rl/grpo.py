@@ -25,12 +25,20 @@ class GRPOSettings:
     temperature: float = 1.0
     overlong_cache: int = 0  # > 0: DAPO's soft overlong punishment over the last this-many tokens
     scale_rewards: str = "group"  # TRL's advantage scaling: group (GRPO) | batch | none
-    seed: int = 0
     logging_steps: int = 5
+
+    def __post_init__(self):
+        if self.max_steps < 1 or self.prompts_per_step < 1 or self.max_completion_length < 1:
+            raise ValueError("grpo: max_steps, prompts_per_step and max_completion_length are >= 1")
+        if self.num_generations < 2:
+            raise ValueError(f"grpo.num_generations={self.num_generations}: at least 2 (GRPO "
+                             "compares the completions of a group)")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"grpo.scale_rewards={self.scale_rewards}: group, batch or none")
 
 
 def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None, reward_funcs: list,
-               settings: GRPOSettings, output_dir: str | Path) -> list[dict]:
+               settings: GRPOSettings, seed: int, output_dir: str | Path) -> list[dict]:
     """Trains `policy` in place; returns the trainer's log history (for reference, not evidence).
 
     Prompts are conversational (one user message), so TRL renders them with the policy's chat
@@ -50,8 +58,7 @@ def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None
     cuda = torch.cuda.is_available()
     args = GRPOConfig(
         output_dir=str(output_dir), use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(),
-        seed=settings.seed,
-        data_seed=settings.seed, max_steps=settings.max_steps,
+        seed=seed, data_seed=seed, max_steps=settings.max_steps,
         per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
         num_generations=settings.num_generations,
         max_completion_length=settings.max_completion_length,

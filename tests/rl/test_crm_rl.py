@@ -62,11 +62,12 @@ def test_missing_demo_crm_says_how_to_make_it(tmp_path):
 
 @pytest.mark.parametrize("overrides,message", [
     (["runs=[]"], "runs: no runs"),
-    (["runs=[{name: a, criteria: []}]"], "runs[0].criteria: a non-empty list of non-empty strings"),
-    (["runs=[{name: a, criteria: [x]}, {name: a, criteria: [y]}]"], "runs[1].name: a name of its own"),
-    (["runs.0.expect=sideways"], "runs[0].expect=sideways: shorter, longer or null"),
+    (["runs=[{name: a, criteria: []}]"], "runs: a: criteria must be a non-empty list of non-empty strings"),
+    (["runs=[{name: a, criteria: [x]}, {name: a, criteria: [y]}]"], "runs: two runs share a name (a, a)"),
+    (["runs.0.expect=sideways"], "runs: short: expect=sideways: shorter, longer or null"),
     (["guards.under=missing"], "guards.under=missing: not a run (short, detailed)"),
-    (["grpo.num_generations=1"], "num_generations >= 2"),
+    (["grpo.num_generations=1"], "grpo.num_generations=1: at least 2"),
+    (["reward.strategy=best_of"], "reward.strategy=best_of: null or one of pointwise, reference"),
     (["controls.flipped=/no/such/crm"], "controls.flipped=/no/such/crm: no such file"),
 ])
 def test_settings_that_cannot_work_are_config_errors(tmp_path, overrides, message):
@@ -98,13 +99,14 @@ def test_a_prompt_file_with_every_prompt_held_out_is_a_config_error(tmp_path):
 def test_a_policy_of_ones_own_is_loaded_from_its_directory_without_warm_up(tmp_path):
     from helpers import tiny_tokenizer
 
-    from crm.rl.demo import Plan, _initial_policy
+    from crm.rl.demo import Guards, Plan, PolicySettings, Run, _initial_policy
     from crm.rl.policy import PolicyConfig, build_policy
 
     tokenizer = tiny_tokenizer()
     build_policy(tokenizer, PolicyConfig(hidden_size=32, intermediate_size=64), 0).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    plan = Plan(checkpoint="unused", prompts="unused", runs={}, policy_path=str(tmp_path))
+    plan = Plan(checkpoint="unused", prompts="unused", runs=[Run("mine", ["concise"])],
+                guards=Guards(under=None), policy=PolicySettings(path=str(tmp_path)))
     policy, loaded, info = _initial_policy(plan, crm=None, answers={})
     assert info == {"path": str(tmp_path), "warm_up": None}
     assert policy.config.hidden_size == 32 and len(loaded) == len(tokenizer)
