@@ -39,7 +39,7 @@ from crm.core.records import read_lines
 from crm.data.demo import write_demo
 from crm.inference.reward import CRMReward
 from crm.inference.scorer import CRMScorer
-from crm.models.factory import build_crm
+from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.rl.policy import first_sentences
 
@@ -73,9 +73,9 @@ def tiny_scorers(tokenizer, device, dtype, arch) -> dict[str, CRMScorer]:
     out = {}
     for kind in ("pairwise", "pointwise"):
         torch.manual_seed(0)
-        crm = build_crm(kind, num_labels=2 if kind == "pairwise" else 1,
-                        pad_token_id=tokenizer.pad_token_id, arch=arch, attention="sdpa",
-                        dtype=dtype)
+        crm = build_crm(ModelConfig(arch=arch, attention="sdpa", dtype=dtype), LossConfig(kind),
+                        num_labels=2 if kind == "pairwise" else 1,
+                        pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
         out[kind] = CRMScorer(crm.model.to(device), tokenizer, PromptTemplate(), kind, 512,
                               batch_size=32, device=device)
     return out
@@ -143,15 +143,15 @@ def main() -> None:
         texts = [PromptTemplate().pairwise, *CRITERIA, *completions, *references, *prompts]
         tokenizer = train_bpe_tokenizer(texts, vocab_size=2048)
     tiny = OmegaConf.load(Path(crm_configs.__file__).parent / "model" / "tiny.yaml")
-    arch = {**OmegaConf.to_container(tiny.arch), "vocab_size": len(tokenizer)}
+    arch = OmegaConf.to_container(tiny.arch)
     result = {
         "batch": {"prompts": args.prompts, "group": args.group, "completions": len(completions),
                   "criteria": CRITERIA},
-        "tiny_cpu": measure(tiny_scorers(tokenizer, torch.device("cpu"), torch.float32, arch),
+        "tiny_cpu": measure(tiny_scorers(tokenizer, torch.device("cpu"), "float32", arch),
                             prompts, completions, references, args.repeats),
     }
     if torch.cuda.is_available():
-        gpu = tiny_scorers(tokenizer, torch.device("cuda"), torch.bfloat16, "qwen3-0.6b")
+        gpu = tiny_scorers(tokenizer, torch.device("cuda"), "bfloat16", "qwen3-0.6b")
         result["qwen3_0.6b_cuda"] = measure(gpu, prompts, completions, references, args.repeats)
     else:
         result["qwen3_0.6b_cuda"] = "not measured: no GPU on this machine"

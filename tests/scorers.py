@@ -73,9 +73,9 @@ def train_length_crm(out_dir, data_dir, steps: int = 30, batch_size: int = 16, s
     tok = train_bpe_tokenizer([PromptTemplate().pointwise, SHORT, DETAILED]
                               + [text for pair in pairs for text in pair], vocab_size=512)
     torch.manual_seed(seed)
-    crm = build_crm("pointwise", num_labels=1, pad_token_id=tok.pad_token_id,
-                    arch={**TINY, "vocab_size": len(tok), "max_position_embeddings": 512},
-                    attention="sdpa")
+    crm = build_crm(ModelConfig(arch={**TINY, "max_position_embeddings": 512}, attention="sdpa"),
+                    LossConfig("pointwise"), num_labels=1, pad_token_id=tok.pad_token_id,
+                    vocab_size=len(tok))
     scorer = CRMScorer(crm.model, tok, PromptTemplate(), "pointwise", 384, device=torch.device("cpu"))
     optimizer = torch.optim.AdamW(crm.parameters(), lr=3e-3)
     rng = random.Random(seed)

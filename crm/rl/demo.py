@@ -207,7 +207,8 @@ def run(plan: Plan, out_dir: Path) -> dict:
         t0 = time.perf_counter()
         model = load_policy(initial_dir)
         history = train_grpo(model, tokenizer, train_queries, criteria, reward_funcs, grpo,
-                             plan.seed, out_dir / "trl" / name)
+                             plan.seed, out_dir / "trl" / name,
+                             {q: answers[q][0] for q in train_queries})
         final = measure(model)
         entry = {"reward": about, "criteria": list(criteria) if criteria else None,
                  "length": final.summary(max_len),

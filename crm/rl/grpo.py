@@ -38,11 +38,14 @@ class GRPOSettings:
 
 
 def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None, reward_funcs: list,
-               settings: GRPOSettings, seed: int, output_dir: str | Path) -> list[dict]:
+               settings: GRPOSettings, seed: int, output_dir: str | Path,
+               references: dict[str, str] | None = None) -> list[dict]:
     """Trains `policy` in place; returns the trainer's log history (for reference, not evidence).
 
     Prompts are conversational (one user message), so TRL renders them with the policy's chat
-    template and hands completions to the rewards as assistant messages.
+    template and hands completions to the rewards as assistant messages. `criteria` and
+    `references` (query -> a reference answer) become the dataset's `criteria` and `reference`
+    columns, which TRL passes to the rewards per completion.
     """
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -51,6 +54,8 @@ def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in queries]
     if criteria is not None:
         rows = [{**row, "criteria": list(criteria)} for row in rows]
+    if references is not None:
+        rows = [{**row, "reference": references[q]} for row, q in zip(rows, queries)]
     funcs = list(reward_funcs)
     if settings.overlong_cache:
         funcs.append(get_soft_overlong_punishment(settings.max_completion_length,
