@@ -89,8 +89,11 @@ def summary(result: dict) -> str:
                      f"clipped){reward}")
     ev = result["evidence"]
     failed = [k for k, ok in ev["checks"].items() if not ok]
-    lines.append("evidence: " + ("all checks pass" if ev["all_passed"] else f"FAILED {failed}")
-                 + f" ({json.dumps(ev['checks'])})")
+    if not ev["checks"]:
+        lines.append("evidence: no checks (no run expects a direction: runs[].expect)")
+    else:
+        lines.append("evidence: " + ("all checks pass" if ev["all_passed"] else f"FAILED {failed}")
+                     + f" ({json.dumps(ev['checks'])})")
     return "\n".join(lines)
 
 
