@@ -52,12 +52,11 @@ def test_crm_rl_moves_length_the_way_the_criteria_say(length_crm, tmp_path):
 
 
 def test_missing_demo_crm_says_how_to_make_it(tmp_path):
-    done = subprocess.run([str(BIN / "crm-rl")], env={**os.environ, "CRM_ROOT": str(tmp_path)},
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("crm-rl: checkpoint=")
-    assert "`make demo` makes them" in lines[0]
+    # (one_line_config_errors prints a ConfigError as one line and exits 2, for every command)
+    with pytest.raises(ConfigError, match=r"^checkpoint=.*: no such file or directory\. .*`make demo` "
+                                          r"makes them") as err:
+        run_cli("rl", run, [f"paths.root_dir={tmp_path}"], tmp_path / "run")
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("overrides,message", [
