@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch is pinned on the same command line as the package: alone, pip would pull a CUDA build.
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 
-.PHONY: install demo usl test lint clean
+.PHONY: install demo usl rl test lint clean
 
 install: $(BIN)/.installed
 
@@ -35,6 +35,11 @@ demo: install
 # The leaderboard web app (crm-usl) on the demo's CRM and benchmark; `make usl ARGS="port=7861"`.
 usl: install
 	$(BIN)/crm-usl $(ARGS)
+
+# After make demo: GRPO with the demo's CRM as the reward under "short" and "detailed" criteria,
+# its controls and guards, and the measured evidence (outputs/rl/demo/rl.json; docs/RL.md).
+rl: install
+	$(BIN)/crm-rl $(ARGS)
 
 # The app's browser tests drive Debian's chromium (Playwright never downloads a browser here):
 # installed with apt-get when missing, which needs root (as CI has on a fresh machine).

@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "pyarrow==26.0.1",
 ]
 APP_REQUIRES = ["gradio==6.31.0"]  # scikit-learn (similarity selection) is a core requirement
+RL_REQUIRES = ["trl==1.16.0"]  # crm-rl and crm.CRMReward with TRL's trainers (datasets comes with it)
 
 setup(
     name="crm",
@@ -41,12 +42,14 @@ setup(
         "slurm": ["hydra-submitit-launcher==1.2.0"],
         # crm-usl, the leaderboard web app. Gradio breaks APIs between minor releases: pinned exactly.
         "app": APP_REQUIRES,
+        # crm-rl: GRPO with a CRM reward (TRL); the OpenRLHF server and verl function need no extra
+        "rl": RL_REQUIRES,
         # `crm-data topics --embedder DIR`: cluster sentence embeddings of a local model
         "embed": ["sentence-transformers==6.2.0"],
-        # The tests compose the SLURM launcher config and drive the app (playwright: its browser
-        # tests, with the system's chromium), so dev includes the slurm and app extras.
-        "dev": ["pytest==9.2.0", "ruff==0.17.5", "trl==1.16.0", "hydra-submitit-launcher==1.2.0",
-                "playwright==1.65.2", *APP_REQUIRES],
+        # The tests compose the SLURM launcher config, drive the app (playwright: its browser
+        # tests, with the system's chromium) and run crm-rl, so dev includes the slurm, app and rl extras.
+        "dev": ["pytest==9.2.0", "ruff==0.17.5", "hydra-submitit-launcher==1.2.0",
+                "playwright==1.65.2", *APP_REQUIRES, *RL_REQUIRES],
     },
     entry_points={
         "console_scripts": [
@@ -58,6 +61,7 @@ setup(
             "crm-eval=crm.cli.eval:main",
             "crm-leaderboard=crm.cli.leaderboard:main",
             "crm-usl=crm.cli.usl:main",
+            "crm-rl=crm.cli.rl:main",
         ],
     },
 )

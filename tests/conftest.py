@@ -42,3 +42,14 @@ def demo_root(tmp_path_factory) -> Path:
     shard_dir = prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))
     assert (shard_dir / "manifest.json").is_file()
     return root
+
+
+@pytest.fixture(scope="session")
+def length_crm(tmp_path_factory):
+    """(export dir, demo training file): a tiny pointwise CRM that prefers fewer sentences under
+    "short" criteria and more under "detailed" ones, trained once per session (tests/scorers.py)."""
+    from scorers import train_length_crm
+
+    root = tmp_path_factory.mktemp("length_crm")
+    torch.set_num_threads(1)
+    return train_length_crm(root / "export", root / "data")

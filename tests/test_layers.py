@@ -15,7 +15,8 @@ from scorers import export_tiny, tiny_scorer
 
 REPO = Path(__file__).resolve().parents[1]
 # Each layer and the layers it may import (besides itself). Two stacks share the bottom:
-# core < data < models < perf < training, and models < inference < evaluation < app; cli is on top.
+# core < data < models < perf < training, and models < inference < evaluation < app (and
+# inference < rl: RL with a CRM reward); cli is on top.
 BELOW = {
     "core": set(),
     "data": {"core"},
@@ -25,7 +26,8 @@ BELOW = {
     "inference": {"core", "data", "models"},
     "evaluation": {"core", "data", "models", "inference"},
     "app": {"core", "data", "models", "inference", "evaluation"},
-    "cli": {"core", "data", "models", "perf", "training", "inference", "evaluation", "app"},
+    "rl": {"core", "data", "models", "inference"},
+    "cli": {"core", "data", "models", "perf", "training", "inference", "evaluation", "app", "rl"},
     "data_tools": {"core", "data"},
 }
 

@@ -15,6 +15,7 @@ from hydra.errors import ConfigCompositionException
 import crm.cli.eval
 import crm.cli.leaderboard
 import crm.cli.plan
+import crm.cli.rl
 import crm.cli.train
 import crm.cli.usl
 import crm_configs
@@ -33,7 +34,7 @@ from crm.training.parallel import ParallelConfig
 CONFIG_DIR = Path(crm_configs.__file__).parent
 SCHEMAS = {"train": crm.cli.train.TrainConfig, "eval": crm.cli.eval.EvalConfig,
            "leaderboard": crm.cli.leaderboard.LeaderboardConfig, "usl": crm.cli.usl.UslConfig,
-           "plan": crm.cli.plan.PlanConfig}
+           "plan": crm.cli.plan.PlanConfig, "rl": crm.cli.rl.RlConfig}
 REQUIRED = {"eval": ["checkpoint=x"], "leaderboard": ["checkpoint=x", "bench=y", "baseline=z"]}
 
 
@@ -66,6 +67,7 @@ def test_every_field_of_a_schema_is_a_key_of_its_yaml(command):
     ("train", "transform.redraw_each_epoch=perhaps"), ("eval", "batch_size=big"),
     ("leaderboard", "interval.resamples=many"), ("usl", "port=http"), ("usl", "limits.line=3"),
     ("plan", "trainer.devices=auto"), ("plan", "model.attentoin=sdpa"),
+    ("rl", "grpo.max_steps=many"), ("rl", "guards.bta=0.1"),
 ])
 def test_a_wrong_type_or_an_unknown_key_stops_the_composition(command, override):
     with pytest.raises(ConfigCompositionException):

@@ -1,0 +1,79 @@
+"""One GRPO run with TRL: a policy, prompts with their criteria, and reward functions.
+
+TRL's GRPOTrainer (1.16) samples `num_generations` completions per prompt, calls every reward
+function with the dataset's other columns per completion (here `criteria`), normalises the
+rewards within each prompt's group and steps the policy. The guards it offers and crm-rl exposes:
+`beta` (a KL penalty to the initial policy) and the soft overlong punishment of DAPO
+(`trl.rewards.get_soft_overlong_punishment`, added as a second reward function).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    max_steps: int = 15
+    prompts_per_step: int = 8  # prompts per optimizer step; each gets num_generations completions
+    num_generations: int = 4
+    max_completion_length: int = 48
+    learning_rate: float = 1e-3
+    beta: float = 0.0  # KL coefficient to the initial policy (TRL's default is 0: no reference model)
+    temperature: float = 1.0
+    overlong_cache: int = 0  # > 0: DAPO's soft overlong punishment over the last this-many tokens
+    scale_rewards: str = "group"  # TRL's advantage scaling: group (GRPO) | batch | none
+    logging_steps: int = 5
+
+    def __post_init__(self):
+        if self.max_steps < 1 or self.prompts_per_step < 1 or self.max_completion_length < 1:
+            raise ValueError("grpo: max_steps, prompts_per_step and max_completion_length are >= 1")
+        if self.num_generations < 2:
+            raise ValueError(f"grpo.num_generations={self.num_generations}: at least 2 (GRPO "
+                             "compares the completions of a group)")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"grpo.scale_rewards={self.scale_rewards}: group, batch or none")
+
+
+def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None, reward_funcs: list,
+               settings: GRPOSettings, seed: int, output_dir: str | Path,
+               references: dict[str, str] | None = None) -> list[dict]:
+    """Trains `policy` in place; returns the trainer's log history (for reference, not evidence).
+
+    Prompts are conversational (one user message), so TRL renders them with the policy's chat
+    template and hands completions to the rewards as assistant messages. `criteria` and
+    `references` (query -> a reference answer) become the dataset's `criteria` and `reference`
+    columns, which TRL passes to the rewards per completion.
+    """
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.rewards import get_soft_overlong_punishment
+
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in queries]
+    if criteria is not None:
+        rows = [{**row, "criteria": list(criteria)} for row in rows]
+    if references is not None:
+        rows = [{**row, "reference": references[q]} for row, q in zip(rows, queries)]
+    funcs = list(reward_funcs)
+    if settings.overlong_cache:
+        funcs.append(get_soft_overlong_punishment(settings.max_completion_length,
+                                                  settings.overlong_cache))
+    cuda = torch.cuda.is_available()
+    args = GRPOConfig(
+        output_dir=str(output_dir), use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(),
+        seed=seed, data_seed=seed, max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        learning_rate=settings.learning_rate, beta=settings.beta,
+        scale_rewards=settings.scale_rewards,
+        temperature=settings.temperature, top_k=0, top_p=1.0,
+        logging_steps=settings.logging_steps, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=policy, reward_funcs=funcs, args=args,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    trainer.train()
+    policy.eval()
+    return trainer.state.log_history
