@@ -1,4 +1,4 @@
-"""What a board's verdicts depend on, and where they are kept: fingerprints, keys, an LRU, disk.
+"""What a board's verdicts depend on, and where they are kept: fingerprints, keys, memory, disk.
 
 A criteria set is judged once over every benchmark pair; its outcomes are kept under a key that
 hashes everything a verdict depends on: the CRM's fingerprint (the contents of its files), the
@@ -11,11 +11,10 @@ import hashlib
 import json
 import logging
 import os
-import threading
-from collections import OrderedDict
 from pathlib import Path
 
 from crm.core.files import write_json
+from crm.core.lru import LRU
 from crm.evaluation.leaderboard import Outcome
 
 log = logging.getLogger("crm.app")
@@ -49,29 +48,6 @@ def crm_fingerprint(checkpoint: str | Path) -> str:
 def verdict_key(fields: dict) -> str:
     return hashlib.sha256(json.dumps({"format": FORMAT, **fields}, sort_keys=True,
                                      ensure_ascii=False).encode()).hexdigest()
-
-
-class LRU:
-    """A thread-safe bounded mapping that forgets the least recently used entry."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key):
-        with self._lock:
-            if key not in self._items:
-                return None
-            self._items.move_to_end(key)
-            return self._items[key]
-
-    def put(self, key, value) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
 
 
 class VerdictCache:

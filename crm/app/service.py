@@ -21,8 +21,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from crm.app.cache import LRU, VerdictCache, verdict_key
+from crm.app.cache import VerdictCache, verdict_key
 from crm.app.similarity import QueryIndex
+from crm.core.lru import LRU
 from crm.evaluation.leaderboard import Bootstrap, Outcome, Selection, judge, kendall_tau, pairs, win_rates
 from crm.models.export import META, read_meta
 

@@ -33,7 +33,7 @@ import hashlib
 import json
 import math
 import pickle
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -41,14 +41,17 @@ from typing import NamedTuple
 import torch
 
 from crm.core.examples import PairExample
+from crm.core.lru import LRU
 from crm.core.records import Conversation, Message
 from crm.inference.scorer import CRMScorer
 
 STRATEGIES = ("pointwise", "reference", "round_robin")
 LOGIT_EPS = 1e-6  # log_odds of a pairwise probability clamps it into [eps, 1 - eps]
 
+
 class CRMRewardError(ValueError):
     """Input the reward cannot score: one line naming the row, column or file at fault."""
+
 
 class Row(NamedTuple):
     """One completion as the CRM reads it: criteria, query, the conversation after the query."""
@@ -57,6 +60,7 @@ class Row(NamedTuple):
     query: str
     context: Conversation  # the prompt's messages after the query (multi-turn prompts)
     conversation: Conversation  # context + the completion
+
 
 class CRMReward:
     """A reward function for TRL's GRPOTrainer / RLOOTrainer from a trained CRM.
@@ -88,7 +92,7 @@ class CRMReward:
                                  "differences; a pairwise CRM gives probabilities")
         self.criteria_column, self.reference_column = criteria_column, reference_column
         self.tau, self.log_odds = tau, log_odds
-        self.cache = _LRU(cache_size)
+        self.cache = LRU(cache_size)
         self._fits: set = set()  # (criteria, query) pairs already checked against the length limit
         self.counts = Counter()
         # TRL names a reward's metrics after it (rewards/<name>/mean)
@@ -271,6 +275,7 @@ class CRMReward:
                     "(the length policy never cuts them)")
             self._fits.add((r.criteria, r.query))
 
+
 def load_crm_scorer(path: str | Path, **kwargs) -> CRMScorer:
     """CRMScorer.load, with anything that is not a CRM refused in one line."""
     path = Path(path)
@@ -286,6 +291,7 @@ def load_crm_scorer(path: str | Path, **kwargs) -> CRMScorer:
 
 # -- reading TRL's values ------------------------------------------------------------------------
 
+
 def _criteria(value, row: int, column: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
@@ -298,6 +304,7 @@ def _criteria(value, row: int, column: str) -> tuple[str, ...]:
                              f"criterion: {value!r}")
     return criteria
 
+
 def _text(content) -> str:
     """A message's content: a string, or the text parts of a content-block list."""
     if isinstance(content, str):
@@ -307,12 +314,14 @@ def _text(content) -> str:
                        if isinstance(part, dict) and part.get("type") == "text")
     return str(content)
 
+
 def _messages(value, row: int, what: str) -> Conversation:
     try:
         return tuple(Message(m["role"], _text(m["content"])) for m in value)
     except (TypeError, KeyError) as exc:
         raise CRMRewardError(f"row {row}: {what} is neither text nor a list of "
                              f"{{role, content}} messages ({exc!r})") from None
+
 
 def _split_prompt(prompt, row: int) -> tuple[str, Conversation]:
     """(query, the messages after it): a text prompt is the query; a chat prompt's first user
@@ -325,15 +334,18 @@ def _split_prompt(prompt, row: int) -> tuple[str, Conversation]:
                              "the user's message")
     return messages[0].content, tuple(messages[1:])
 
+
 def _completion(completion, row: int, what: str = "the completion") -> Conversation:
     if isinstance(completion, str):
         return (Message("assistant", completion),)
     return _messages(completion, row, what)
 
+
 def _key(*parts) -> str:
     """A short, stable cache key (the texts themselves would hold megabytes per thousand keys)."""
     data = json.dumps(parts, ensure_ascii=False, default=lambda m: [m.role, m.content])
     return hashlib.blake2b(data.encode(), digest_size=16).hexdigest()
+
 
 def _group_members(rows: list[Row]) -> list[tuple[list[Conversation], int]]:
     """For each row: its group's completions (all processes') and its own index in that list."""
@@ -346,6 +358,7 @@ def _group_members(rows: list[Row]) -> list[tuple[list[Conversation], int]]:
         members = groups[(r.criteria, r.query, r.context)]
         out.append(([everything[m].conversation for m in members], members.index(index)))
     return out
+
 
 def gather_rows(rows: list[Row]) -> tuple[list[Row], int]:
     """Every process's rows in rank order, and where this process's start. One process: its own."""
@@ -360,19 +373,3 @@ def gather_rows(rows: list[Row]) -> tuple[list[Row], int]:
     rank = torch.distributed.get_rank()
     offset = sum(len(p) for p in parts[:rank])
     return [Row(*r) for part in parts for r in part], offset
-
-class _LRU:
-    def __init__(self, size: int):
-        self.size, self.data = size, OrderedDict()
-
-    def get(self, key):
-        value = self.data.get(key)
-        if value is not None:
-            self.data.move_to_end(key)
-        return value
-
-    def put(self, key, value) -> None:
-        self.data[key] = value
-        self.data.move_to_end(key)
-        while len(self.data) > self.size:
-            self.data.popitem(last=False)

@@ -13,7 +13,8 @@ from urllib.parse import parse_qs
 import pytest
 from scorers import export_tiny, tiny_scorer
 
-from crm.app.cache import LRU, VerdictCache, crm_fingerprint, file_digest, verdict_key
+from crm.app.cache import VerdictCache, crm_fingerprint, file_digest, verdict_key
+from crm.core.lru import LRU
 from crm.app.service import BoardError, Busy, Leaderboards, Limits, ModelGate
 from crm.app.similarity import QueryIndex
 from crm.evaluation.leaderboard import Bootstrap, Outcome, leaderboard, select

@@ -85,8 +85,6 @@ def write_test_file(tmp_path, name="test.jsonl", n=6):
     return path
 
 
-
-
 def test_pairwise_evaluation_scores_both_orders(tmp_path):
     scorer = tiny_scorer()
     records = load_records(write_test_file(tmp_path), "test")
