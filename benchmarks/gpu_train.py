@@ -184,7 +184,7 @@ def crm_vs_trl(args, cuda: bool) -> dict:
         command += ["--device", "cuda", "--arch", "qwen3-0.6b", "--long", "--compile", "--batch-size", "8",
                     "--max-tokens", str(args.max_tokens), "--vocab-size", str(args.vocab_size)]
     else:
-        command += ["--batch-size", "8", "--n-train", "300", "--max-tokens", "256"]
+        command += ["--batch-size", "8", "--n-train", "300", "--max-tokens", "256", "--skip-pairwise"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         return {"error": done.stderr[-3000:]}
