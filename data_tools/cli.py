@@ -1,4 +1,4 @@
-"""crm-data: demo | validate | shard | stats | criteria | topics (docs/DESIGN.md section 7)."""
+"""crm-data: demo | validate | shard | stats | criteria | topics | flip (docs/DESIGN.md section 7)."""
 from __future__ import annotations
 
 import argparse
@@ -105,6 +105,15 @@ def _topics(args) -> int:
     return 0
 
 
+def _flip(args) -> int:
+    from data_tools.flip import flip
+
+    c = flip(args.input, args.output)
+    print(f"{args.input}: {c['read']} read = {c['written']} written to {args.output} (criteria swapped) + "
+          f"{c['rejected']} rejected" + (f" (see {c['rejects']})" if c["rejected"] else ""))
+    return 1 if c["rejected"] else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crm-data", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -183,6 +192,12 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--embedder", default=None,
                    help="a local sentence-transformers model dir to cluster embeddings (default: TF-IDF)")
     o.set_defaults(run=_topics)
+
+    f = sub.add_parser("flip", help="swap each record's two sides' criteria, keep the vote "
+                                    "(a flipped-label control)")
+    f.add_argument("input", metavar="IN.jsonl", help="training records (both sides' criteria)")
+    f.add_argument("output", metavar="OUT.jsonl", help="a new file; rejects go to OUT.jsonl.rejects.jsonl")
+    f.set_defaults(run=_flip)
     return p
 
 

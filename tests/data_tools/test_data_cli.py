@@ -624,6 +624,44 @@ def test_stats_missing_path(tmp_path, capsys):
 # the installed entry point
 
 
+# ---------------------------------------------------------------------------------------------
+# flip
+
+
+def test_flip_swaps_every_records_criteria_keeps_the_vote_and_rejects_exactly_the_bad(tmp_path, mixed,
+                                                                                     capsys):
+    path, expected = mixed
+    out = tmp_path / "flipped.jsonl"
+    code, stdout, _ = run(capsys, "flip", path, out)
+    good, bad = expected["good"], expected["bad"]
+    assert code == 1  # rejects: exit 1, as validate
+    assert f"{len(good) + len(bad)} read = {len(good)} written to {out} (criteria swapped) + {len(bad)} " \
+           f"rejected" in stdout
+    flipped = [json.loads(x) for x in out.read_text().splitlines()]
+    for before, after in zip((json.loads(t) for t in good.values()), flipped, strict=True):
+        assert (after["a_criteria"], after["b_criteria"]) == (before["b_criteria"], before["a_criteria"])
+        assert (after["a_broad_criteria_topic"], after["b_broad_criteria_topic"]) == \
+            (before["b_broad_criteria_topic"], before["a_broad_criteria_topic"])
+        rest = lambda r: {k: v for k, v in r.items() if "criteria" not in k}  # noqa: E731
+        assert rest(after) == rest(before)  # the vote, the conversations and the id as they were
+    rejects = [json.loads(x) for x in (tmp_path / "flipped.jsonl.rejects.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["field"]) for r in rejects] == [(n, field) for n, (_, field, _) in bad.items()]
+
+    twice = tmp_path / "twice.jsonl"
+    assert run(capsys, "flip", out, twice)[0] == 0
+    assert [json.loads(x) for x in twice.read_text().splitlines()] == [json.loads(t) for t in good.values()]
+
+
+def test_flip_refuses_readme_format_and_its_own_input(tmp_path, capsys):
+    readme = tmp_path / "readme.jsonl"
+    readme.write_text(dumps(make_test_obj(1)) + "\n")
+    code, _, err = run(capsys, "flip", readme, tmp_path / "out.jsonl")
+    assert code == 2 and "a test-format record in a train-format file" in err
+    assert not list(tmp_path.glob("out.jsonl*"))  # nothing half-written
+    code, _, err = run(capsys, "flip", readme, readme)
+    assert code == 2 and "the output would overwrite the input it reads" in err
+
+
 def test_installed_crm_data_script(mixed):
     src, expect = mixed
     script = Path(sys.executable).with_name("crm-data")
