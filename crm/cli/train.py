@@ -42,7 +42,8 @@ from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
-from crm.training.trainer import batch_plan, device_type, make_trainer, resolve_resume, world_size
+from crm.training.trainer import (AgreedResume, batch_plan, device_type, make_trainer, resolve_resume,
+                                  resolve_sharding, world_size)
 
 log = logging.getLogger(__name__)
 
@@ -158,21 +159,31 @@ def train(cfg: DictConfig) -> dict | None:
                                     world_size(run.trainer), run.max_micro_batch_size)
     stream = StreamConfig(**asdict(run.stream), batch_size=micro_batch, mode=run.loss.kind,
                           seed=run.seed, template=run.template)
-    datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum))
+    datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
+                               step_batches=accum)
+    parallel = resolve_sharding(run.parallel, run.trainer,
+                                partial(fits_in_a_node, run, len(tokenizer), micro_batch, compile))
     run_config = OmegaConf.to_container(cfg, resolve=True)
+    run_config["parallel"]["sharding"] = parallel.sharding  # what ran, not "auto"
     module = CRMModule(partial(build_crm, run.model, run.loss,
                                num_labels=datamodule.transform.num_labels,
                                pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer)),
-                       run.optim, run.parallel, run_config=run_config, compile=compile)
+                       run.optim, parallel, run_config=run_config, compile=compile)
     sweep = sweep_info(run)
     logger = make_logger(run.logger, run_dir, run.name, sweep)
     if logger:
         logger.log_hyperparams({**run_config, "sweep": sweep or {}})
     callbacks = run_callbacks(run, run_dir, tokenizer, with_logger=bool(logger))
     trainer = make_trainer(run.trainer, accumulation=accum, val_every_n_steps=run.val_every_n_steps,
-                           callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir)
-    resumed_from = resolve_resume(run.resume, run_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resumed_from, weights_only=True)
+                           callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir,
+                           parallel=parallel)
+    if trainer.world_size > 1:  # rank 0 decides, inside fit, once the ranks are connected
+        resume = AgreedResume(run.resume, run_dir)
+        resume.trainer = trainer
+    else:
+        resume = resolve_resume(run.resume, run_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    resumed_from = resume.decide() if isinstance(resume, AgreedResume) else resume
     # Export happened inside fit (ExportBest, run_dir/export): gathering FSDP shards needs every rank.
 
     best, throughput = callbacks["best"], callbacks.get("throughput")
@@ -216,6 +227,32 @@ def check_config(cfg: DictConfig) -> None:
     if not cfg.data.demo and not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
                           "`crm-data shard FILE.jsonl DIR`)")
+
+
+def fits_in_a_node(run: TrainConfig, vocab_size: int, micro_batch: int, compiled: bool,
+                   ranks_per_node: int) -> bool:
+    """Whether the training states sharded over one node's GPUs fit them, by crm.perf.memory's
+    plan at the run's row length and micro batch (HSDP's condition); ranks on CPUs hold what they
+    must (no device memory to plan against)."""
+    if device_type(run.trainer) != "cuda":
+        return True
+    from crm.perf.flops import ModelShape
+    from crm.perf.memory import memory_plan
+
+    num_labels = 1 if run.loss.kind == "pointwise" else 2
+    if run.model.path:
+        from transformers import AutoConfig
+
+        shape = ModelShape.from_config(AutoConfig.from_pretrained(
+            run.model.path, num_labels=num_labels, local_files_only=True))
+    else:
+        shape = ModelShape.from_arch(run.model.architecture(vocab_size), num_labels=num_labels)
+    gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    plan = memory_plan(shape, world=ranks_per_node, seq_len=run.stream.max_tokens,
+                       micro_batch_size=micro_batch, kind=run.loss.kind, strategy="fsdp",
+                       activation_checkpointing=run.parallel.activation_checkpointing,
+                       compiled=compiled, gpu_memory_gib=gib)
+    return plan["fits"]
 
 
 def compile_layers(run: TrainConfig) -> bool:

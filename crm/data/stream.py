@@ -267,17 +267,41 @@ def _ignore_preemption_signals(worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def with_step_counts(batches: Iterator[dict], step_batches: int, epoch_batches: int) -> Iterator[dict]:
+    """`batches` with each optimizer step's example count: `step_examples` (a tensor: the
+    examples the length policy kept in the step's micro batches, on this rank), `step_index` (the
+    batch's place among them) and `step_batches` (how many there are), plain ints that a
+    trainer reads without waiting for a device.
+
+    A step is `step_batches` consecutive batches of the epoch (its last step may be shorter), as
+    Lightning accumulates them; a step's batches are read ahead so that the first one can carry
+    the count that the loss of every one is divided by (docs/DESIGN.md section 9).
+    """
+    pending: list[dict] = []
+    for batch in batches:
+        pending.append(batch)
+        index = int(batch["position"][1])
+        if (index + 1) % step_batches and index + 1 < epoch_batches:
+            continue
+        examples = torch.tensor(sum(len(b["keys"]) for b in pending))
+        for i, step_batch in enumerate(pending):
+            step_batch.update(step_examples=examples, step_index=i, step_batches=len(pending))
+        yield from pending
+        pending = []
+
+
 class StreamLoader:
     """A DataLoader over a PairStream's encoded chunks, batched by `PairStream.batches`, that knows
-    its epoch and position, for mid-epoch resume.
+    its epoch and position, for mid-epoch resume; each batch carries its optimizer step's example
+    count (`with_step_counts`, `step_batches` micro batches a step).
 
     Workers are re-created each epoch (never persistent) so that each epoch's workers receive the
     current epoch and skip. Lightning saves `state_dict()` in checkpoints and calls
     `load_state_dict()` on resume because this object has both.
     """
 
-    def __init__(self, dataset: PairStream, num_workers: int = 0):
-        self.dataset, self.num_workers = dataset, num_workers
+    def __init__(self, dataset: PairStream, num_workers: int = 0, step_batches: int = 1):
+        self.dataset, self.num_workers, self.step_batches = dataset, num_workers, step_batches
         self.epoch = 0
         self.batches_done = 0  # batches of `epoch` handed out (or restored)
         if num_workers:
@@ -301,7 +325,8 @@ class StreamLoader:
                             worker_init_fn=_ignore_preemption_signals)
         chunks = iter(loader)
         try:
-            for batch in self.dataset.batches(chunks):
+            steps = len(self.dataset.plan(epoch).sizes)
+            for batch in with_step_counts(self.dataset.batches(chunks), self.step_batches, steps):
                 self.batches_done += 1
                 yield batch
         finally:

@@ -54,15 +54,22 @@ class PairwiseCRM(nn.Module):
     def forward(self, input_ids, attention_mask):
         return last_token_logits(self.model, input_ids, attention_mask)
 
-    def loss(self, batch: dict) -> dict:
-        """L_cls: cross-entropy over the labels; logged metrics alongside."""
+    metrics = ("loss", "acc")
+
+    def loss_sums(self, batch: dict) -> dict:
+        """L_cls summed over the batch's examples (cross-entropy over the labels), the metrics
+        summed alongside, and the example count `n`: the trainer divides by the step's global
+        count (docs/DESIGN.md section 9)."""
         labels = batch["labels"]
         if not labels.numel():
-            return _empty_batch_loss(self, batch)
+            return _empty_batch_sums(self, batch)
         logits = self(batch["input_ids"], batch["attention_mask"]).float()
-        loss = F.cross_entropy(logits, labels)
-        return {"loss": loss, "acc": (logits.argmax(-1) == labels).float().mean(),
-                "n": labels.numel()}
+        return {"loss": F.cross_entropy(logits, labels, reduction="sum"),
+                "acc": (logits.argmax(-1) == labels).float().sum(), "n": labels.numel()}
+
+    def loss(self, batch: dict) -> dict:
+        """The batch's mean loss and metrics."""
+        return batch_means(self.loss_sums(batch))
 
 
 class PointwiseCRM(nn.Module):
@@ -82,26 +89,38 @@ class PointwiseCRM(nn.Module):
     def forward(self, input_ids, attention_mask):
         return last_token_logits(self.model, input_ids, attention_mask).squeeze(-1)
 
-    def loss(self, batch: dict) -> dict:
-        """L_ranking: -log sigmoid(r_c - r_r - margin) (+ center_coef * (r_c + r_r)^2)."""
+    metrics = ("loss", "acc", "reward_chosen", "reward_rejected", "margin")
+
+    def loss_sums(self, batch: dict) -> dict:
+        """L_ranking summed over the batch's pairs: -log sigmoid(r_c - r_r - margin)
+        (+ center_coef * (r_c + r_r)^2), the metrics summed alongside, and the pair count `n`."""
         if not batch["input_ids"].shape[0]:
-            return _empty_batch_loss(self, batch)
+            return _empty_batch_sums(self, batch)
         rewards = self(batch["input_ids"], batch["attention_mask"]).float()
         n = rewards.shape[0] // 2
         chosen, rejected = rewards[:n], rewards[n:]
         diff = chosen - rejected
-        loss = -F.logsigmoid(diff - self.margin).mean()
+        loss = -F.logsigmoid(diff - self.margin).sum()
         if self.center_coef:
             # Reward centering (Eisenstein et al. 2023): keeps rewards near zero so that scores
             # from different runs are comparable.
-            loss = loss + self.center_coef * ((chosen + rejected) ** 2).mean()
-        return {"loss": loss, "acc": (diff > 0).float().mean(), "n": n,
-                "reward_chosen": chosen.mean(), "reward_rejected": rejected.mean(),
-                "margin": diff.mean()}
+            loss = loss + self.center_coef * ((chosen + rejected) ** 2).sum()
+        return {"loss": loss, "acc": (diff > 0).float().sum(), "n": n,
+                "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(), "margin": diff.sum()}
+
+    def loss(self, batch: dict) -> dict:
+        """The batch's mean loss and metrics."""
+        return batch_means(self.loss_sums(batch))
 
 
-def _empty_batch_loss(crm: nn.Module, batch: dict) -> dict:
-    """A zero loss for a batch whose every example the length policy dropped.
+def batch_means(sums: dict) -> dict:
+    """Each sum of `loss_sums` divided by the batch's example count (zeros for an empty batch)."""
+    n = sums["n"]
+    return {name: value if name == "n" else value / max(n, 1) for name, value in sums.items()}
+
+
+def _empty_batch_sums(crm: nn.Module, batch: dict) -> dict:
+    """Zero sums for a batch whose every example the length policy dropped.
 
     The rank still steps with the others: one forward of a single pad token, times zero, so the
     gradient collectives see every parameter (an empty tensor cannot pass through attention).
@@ -109,4 +128,5 @@ def _empty_batch_loss(crm: nn.Module, batch: dict) -> dict:
     ids = torch.full((1, 1), crm.model.config.pad_token_id, device=batch["input_ids"].device)
     with eager():  # a one-token shape, rare: not worth a compiled graph of its own
         logits = crm(ids, torch.ones_like(ids))
-    return {"loss": logits.float().sum() * 0.0, "n": 0}
+    zero = logits.float().sum() * 0.0
+    return {name: zero for name in crm.metrics} | {"n": 0}

@@ -30,13 +30,13 @@ class CRMDataModule(L.LightningDataModule):
     """
 
     def __init__(self, path: str, tokenizer, stream: StreamConfig, transform: TransformConfig,
-                 val_split: str = "val"):
+                 val_split: str = "val", step_batches: int = 1):
         super().__init__()
         self.manifest = load_manifest(path)
         if any(s.one_sided for shards in self.manifest.splits.values() for s in shards):
             check_one_sided(transform)  # here, at start: the loaders are built inside fit
         self.tokenizer, self.stream, self.transform = tokenizer, stream, transform
-        self.val_split = val_split
+        self.val_split, self.step_batches = val_split, step_batches  # micro batches per optimizer step
         self.train_loader: StreamLoader | None = None
 
     def _rank_world(self) -> tuple[int, int]:
@@ -44,14 +44,15 @@ class CRMDataModule(L.LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
 
     def _loader(self, split: str, stream: StreamConfig, transform: TransformConfig,
-                loader: type[StreamLoader] = StreamLoader) -> StreamLoader:
+                loader: type[StreamLoader] = StreamLoader, step_batches: int = 1) -> StreamLoader:
         rank, world = self._rank_world()
         dataset = PairStream(self.manifest.shards(split), self.tokenizer, stream, transform,
                              self.manifest.criteria_pool, rank=rank, world=world)
-        return loader(dataset, num_workers=stream.num_workers)
+        return loader(dataset, num_workers=stream.num_workers, step_batches=step_batches)
 
     def train_dataloader(self) -> StreamLoader:
-        self.train_loader = self._loader("train", self.stream, self.transform)
+        self.train_loader = self._loader("train", self.stream, self.transform,
+                                         step_batches=self.step_batches)
         return self.train_loader
 
     def val_dataloader(self) -> StreamLoader:

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from crm.training.parallel import ParallelConfig, build_sharded, prepare_layers
+from crm.training.parallel import ParallelConfig, build_sharded, data_parallel_mesh, prepare_layers
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,16 @@ class CRMModule(L.LightningModule):
         self.run_config = run_config or {}
         self.compile = compile
         self.crm: torch.nn.Module | None = None
+        # Running sums (the CRM's metrics, then the example count) between their reductions.
+        self._train_sums: torch.Tensor | None = None
+        self._val_sums: torch.Tensor | None = None
 
     def configure_model(self) -> None:
         if self.crm is not None:
             return
         if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel ranks
-            mesh = self.device_mesh["data_parallel"]
+            mesh = data_parallel_mesh(self.device_mesh["data_parallel"], self.parallel.sharding,
+                                      self.trainer.num_nodes)
             self.crm = build_sharded(self.build_crm, mesh, self.parallel, self.compile)
         else:
             self.crm = self.build_crm()
@@ -55,30 +59,71 @@ class CRMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["crm_config"] = self.run_config
 
-    def _step(self, batch: dict, stage: str) -> torch.Tensor:
-        out = self.crm.loss(batch)
-        n = int(out["n"])
-        if n:
-            train = stage == "train"
-            for name, value in out.items():
-                if name != "n":
-                    # train/loss is the global batch's (averaged over ranks), comparable across
-                    # world sizes; one scalar all-reduce per step is cheap next to the step.
-                    self.log(f"{stage}/{name}", value, batch_size=n,
-                             sync_dist=not train or name == "loss",
-                             prog_bar=name in ("loss", "acc"), on_step=train, on_epoch=not train)
-        if stage == "train":
-            # What the length policy did, summed over the run and ranks (healthy runs keep both ~0).
-            self.log_dict({"data/shortened": batch["shortened"].float(),
-                           "data/dropped": batch["dropped"].float()},
-                          reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
-        return out["loss"]
+    # -- the loss: the sum over a step's examples / their global count --------------------------
+
+    def _sums(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the batch's summed loss, to backpropagate; its loss and metric sums and example count
+        as one detached vector in the CRM's `metrics` order, then n: what the ranks reduce)."""
+        sums = self.crm.loss_sums(batch)
+        values = [sums[name].detach().float() for name in self.crm.metrics]
+        # torch.full launches a fill: no host-to-device copy for the host to wait on.
+        n = torch.full((), float(sums["n"]), device=values[0].device)
+        return sums["loss"], torch.stack([*values, n])
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
+        """The micro batch's share of the step's loss: the sum of its examples' losses over the
+        count of the step's examples on every rank and micro batch (`batch["step_examples"]`,
+        summed over ranks once, at the step's first micro batch, by every rank whatever its batch
+        holds). Times the data-parallel world (DDP and FSDP average gradients over it) and the
+        accumulation (Lightning divides by it), every example weighs the same wherever it lands,
+        and an emptied micro batch is a zero, not a hang (docs/DESIGN.md section 9)."""
+        if batch["step_index"] == 0:
+            self._step_examples = self._all_ranks_sum(batch["step_examples"].to(self.device).float())
+        loss_sum, sums = self._sums(batch)
+        self._train_sums = sums if self._train_sums is None else self._train_sums + sums
+        if batch["step_index"] == batch["step_batches"] - 1 and self._logging_step():
+            self._log_sums("train", self._all_ranks_sum(self._train_sums))
+            self._train_sums = None
+        # What the length policy did, summed over the run and ranks (healthy runs keep both ~0).
+        # Every rank logs both on every step, so the epoch-end reduction is the same on each.
+        self.log_dict({"data/shortened": batch["shortened"].float(),
+                       "data/dropped": batch["dropped"].float()},
+                      reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
+        scale = self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return loss_sum * scale / self._step_examples.clamp(min=1.0)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._step(batch, "val")
+        _, sums = self._sums(batch)
+        self._val_sums = sums if self._val_sums is None else self._val_sums + sums
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = None
+
+    def on_validation_epoch_end(self) -> None:
+        # Every rank has the same number of val batches (the epoch plan), but not necessarily
+        # any examples: one reduction here, whatever the batches held.
+        sums = self._val_sums
+        if sums is None:  # no val batch on this rank (limit_val_batches=0): zeros of the same size
+            sums = torch.zeros(len(self.crm.metrics) + 1, device=self.device)
+        self._log_sums("val", self._all_ranks_sum(sums))
+
+    def _log_sums(self, stage: str, sums: torch.Tensor) -> None:
+        """Logs each metric's mean over the reduced examples; every rank holds the same values."""
+        *values, n = sums
+        train = stage == "train"
+        for name, value in zip(self.crm.metrics, values, strict=True):
+            self.log(f"{stage}/{name}", value / n.clamp(min=1.0), prog_bar=name in ("loss", "acc"),
+                     on_step=train, on_epoch=not train, sync_dist=False)
+
+    def _all_ranks_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.trainer.world_size == 1:
+            return tensor
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum")
+
+    def _logging_step(self) -> bool:
+        # global_step counts the optimizer steps taken, this one not yet: the same on every rank.
+        every = self.trainer.log_every_n_steps
+        return bool(every) and (self.trainer.global_step + 1) % every == 0
 
     def configure_optimizers(self):
         decay, no_decay = [], []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,42 @@ from crm.models.compile import compile_layers
 log = logging.getLogger(__name__)
 
 
+SHARDINGS = ("auto", "fsdp", "hsdp")
+GRAD_SYNCS = ("step", "micro_batch")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (any strategy)
     param_dtype: str = "bfloat16"  # FSDP: dtype of the all-gathered parameters for compute
     reduce_dtype: str = "float32"  # FSDP: dtype of the gradient reduce-scatter
     reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3)
+    sharding: str = "auto"  # FSDP over all ranks (fsdp) or within each node, replicated across (hsdp)
+    grad_sync: str = "step"  # under accumulation: reduce gradients once per step, or every micro batch
+
+    def __post_init__(self):
+        for key, value, allowed in (("sharding", self.sharding, SHARDINGS),
+                                    ("grad_sync", self.grad_sync, GRAD_SYNCS)):
+            if value not in allowed:
+                raise ValueError(f"parallel.{key}={value}: expected one of {', '.join(allowed)}")
+
+
+def data_parallel_mesh(mesh, sharding: str, num_nodes: int):
+    """The mesh FSDP2 shards over: Lightning's data-parallel dimension (fsdp), or a 2D mesh of
+    (replicate across nodes, shard within a node) over the same ranks (hsdp, torchtitan's
+    dp_replicate x dp_shard). Ranks are numbered node by node, so each row of the 2D mesh is one
+    node's GPUs: all-gathers and reduce-scatters stay on the node's links, and only one
+    all-reduce of sharded gradients per step crosses nodes."""
+    if sharding != "hsdp":
+        return mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = mesh.size()
+    if num_nodes < 2 or world % num_nodes or world == num_nodes:
+        raise ValueError(f"parallel.sharding=hsdp needs several nodes of several ranks; this run has "
+                         f"{world} ranks on {num_nodes} node(s): use parallel.sharding=fsdp")
+    return init_device_mesh(mesh.device_type, (num_nodes, world // num_nodes),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def enable_activation_checkpointing(crm: nn.Module) -> None:
@@ -43,16 +74,25 @@ def apply_fsdp(crm: nn.Module, mesh, cfg: ParallelConfig) -> nn.Module:
     The root is the CRM module, not the HF model: the CRM's forward is what runs, so the root's
     pre-forward all-gather must hang on it. Parameters stay fp32 shards (the optimizer's master
     weights); compute gathers them in `param_dtype` and gradients reduce in `reduce_dtype`.
+
+    What stays gathered between forward and backward (torchtitan's rules): the root (FSDP2's
+    default for it: backward starts with the head and ends with the embeddings, so resharding
+    them would cost an exposed all-gather at each end) and the last decoder layer (backward needs
+    it first); the other layers reshard after forward when `reshard_after_forward` (ZeRO-3).
+    A 2D `mesh` (data_parallel_mesh) makes this HSDP.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                   reduce_dtype=DTYPES[cfg.reduce_dtype])
-    for layer in decoder_layers(crm.model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(crm, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
-    log.info("FSDP2: %d decoder layers + root sharded over %d ranks (compute %s, reduce %s)",
-             len(decoder_layers(crm.model)), mesh.size(), cfg.param_dtype, cfg.reduce_dtype)
+    layers = decoder_layers(crm.model)
+    for i, layer in enumerate(layers):
+        reshard = cfg.reshard_after_forward and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(crm, mesh=mesh, mp_policy=policy)
+    shape = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+    log.info("FSDP2: %d decoder layers + root sharded over %s (compute %s, reduce %s)",
+             len(layers), shape, cfg.param_dtype, cfg.reduce_dtype)
     return crm
 
 
@@ -97,11 +137,33 @@ class FSDPStrategy(ModelParallelStrategy):
     every rank has finished.
     """
 
-    def __init__(self, data_parallel_size: int, save_distributed_checkpoint: bool = True, **kwargs):
+    def __init__(self, data_parallel_size: int, save_distributed_checkpoint: bool = True,
+                 parallel: ParallelConfig | None = None, **kwargs):
         # Explicit sizes: "auto" picks tensor parallelism over the ranks (nothing sharded).
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
         self.sharded_checkpoints = save_distributed_checkpoint  # Lightning keeps its copy private
+        self.parallel = parallel or ParallelConfig(sharding="fsdp")
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this around every micro batch of a step but the last (automatic
+        optimization under accumulation); ModelParallelStrategy does nothing there, so each
+        micro batch would pay the gradient reduction. With grad_sync=step, FSDP skips it until
+        the last micro batch, keeping unsharded gradients in the reduce dtype meanwhile (crm-plan
+        counts them); HSDP keeps reduce-scattering within the node, where links are fast and
+        gradients stay sharded, and all-reduces across nodes once per step."""
+        crm = getattr(self.lightning_module, "crm", None)
+        if self.parallel.grad_sync != "step" or crm is None:
+            yield
+            return
+        hsdp = self.parallel.sharding == "hsdp"
+        switch = crm.set_requires_all_reduce if hsdp else crm.set_requires_gradient_sync
+        switch(False)
+        try:
+            yield
+        finally:
+            switch(True)
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         if not self.sharded_checkpoints:
@@ -129,5 +191,5 @@ def swap_into_place(new: Path, final: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def fsdp_strategy(world: int, **kwargs) -> FSDPStrategy:
-    return FSDPStrategy(data_parallel_size=world, **kwargs)
+def fsdp_strategy(world: int, parallel: ParallelConfig | None = None, **kwargs) -> FSDPStrategy:
+    return FSDPStrategy(data_parallel_size=world, parallel=parallel, **kwargs)

@@ -6,6 +6,9 @@ FSDP2 (crm.training.parallel).
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -14,7 +17,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from crm.core.errors import ConfigError
 from crm.models.checkpoint import is_complete_checkpoint
-from crm.training.parallel import fsdp_strategy
+from crm.training.parallel import ParallelConfig, fsdp_strategy
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +63,84 @@ def batch_plan(global_batch: int, micro_batch: int | str, world: int,
     return int(micro_batch), global_batch // per_step
 
 
+def resolve_sharding(parallel: ParallelConfig, trainer: dict,
+                     fits_in_a_node: Callable[[int], bool]) -> ParallelConfig:
+    """`parallel` with `sharding: auto` decided: hsdp when the run spans several nodes of several
+    ranks under FSDP and `fits_in_a_node(ranks per node)` says one node's GPUs hold the states
+    sharded over them; else fsdp."""
+    if parallel.sharding != "auto":
+        return parallel
+    nodes = int(trainer.get("num_nodes", 1))
+    per_node = world_size(trainer) // nodes
+    hsdp = trainer.get("strategy") == "fsdp" and nodes > 1 and per_node > 1 and fits_in_a_node(per_node)
+    choice = "hsdp" if hsdp else "fsdp"
+    log.info("parallel.sharding=auto: %s (%d node(s) x %d rank(s))", choice, nodes, per_node)
+    return replace(parallel, sharding=choice)
+
+
 def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, callbacks: list,
-                 logger, run_dir: Path) -> L.Trainer:
+                 logger, run_dir: Path, parallel: ParallelConfig | None = None) -> L.Trainer:
     """A Trainer from the trainer group; validation every `val_every_n_steps` optimizer steps.
 
     On SLURM, Lightning's own auto-requeue is switched off: crm.training.preemption owns the signal.
     """
     kwargs = dict(trainer)
     if kwargs.get("strategy") == "fsdp":
-        kwargs["strategy"] = fsdp_strategy(world_size(trainer))
+        kwargs["strategy"] = fsdp_strategy(world_size(trainer), parallel)
     if SLURMEnvironment.detect():
         kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
     return L.Trainer(**kwargs, accumulate_grad_batches=accumulation, callbacks=callbacks,
                      logger=logger, val_check_interval=val_every_n_steps * accumulation,
                      check_val_every_n_epoch=None, default_root_dir=str(run_dir))
+
+
+class AgreedResume(os.PathLike):
+    """fit's `ckpt_path` when every rank must resume from the same checkpoint: rank 0's choice.
+
+    Whether to resume is a decision from the filesystem, which ranks on a shared filesystem may
+    see differently (NFS caches), and a job whose ranks disagree hangs. The ranks connect inside
+    fit (Lightning launches and connects them there), and Lightning loads the checkpoint only
+    after that: its `resume_start` truth-tests the path on every rank at the same point. So the
+    decision is made there: rank 0 resolves `resume` (resolve_resume), the strategy broadcasts
+    it, and every rank loads what rank 0 chose. Before the ranks connect, Lightning only checks
+    that a path was given: it is (undecided). A one-process run needs no agreement: train()
+    passes it resolve_resume's answer directly.
+    """
+
+    def __init__(self, resume, run_dir: Path):
+        self.resume, self.run_dir = resume, Path(run_dir)
+        self.trainer: L.Trainer | None = None
+        self.path: str | None = None
+        self.decided = False
+
+    def decide(self) -> str | None:
+        if not self.decided:
+            strategy = self.trainer.strategy
+            choice = error = None
+            if strategy.global_rank == 0:
+                try:
+                    choice = resolve_resume(self.resume, self.run_dir)
+                except ConfigError as exc:  # every rank stops with it, none waits for rank 0
+                    error = str(exc)
+            self.path, error = strategy.broadcast((choice, error))
+            self.decided = True
+            if error:
+                raise ConfigError(error)
+        return self.path
+
+    def __bool__(self) -> bool:
+        if not torch.distributed.is_initialized():
+            return True
+        return self.decide() is not None
+
+    def __fspath__(self) -> str:
+        return self.decide()
+
+    def __str__(self) -> str:
+        return self.path if self.decided else f"<resume={self.resume} in {self.run_dir}>"
+
+    def __reduce__(self):  # strategies broadcast the path itself: it travels as the decided string
+        return str, (self.decide(),)
 
 
 def resolve_resume(resume, run_dir: Path) -> str | None:

@@ -1,17 +1,21 @@
-"""One process trained on the global batches of a 2-rank run: the reference loss curve and weights.
+"""One process trained on the global batches of a multi-rank run: the reference loss curve and weights.
 
 `python tests/dist/single_reference.py <crm-train overrides>` runs crm-train itself (same config,
 seed, model build, optimizer, schedule, checkpoints, metrics.json) with one change: the train
-loader yields, at step k, rank 0's batch k followed by rank 1's batch k of a 2-rank run (two
-PairStreams with rank=0/1, world=2, re-padded to one width). Pass `micro_batch_size` = the 2-rank
-run's global batch (accumulation 1): each rank's stream takes half of it.
+loader yields, at optimizer step k, the union of the micro batches that every rank of a
+REFERENCE_WORLD-rank run (default 2) trains at step k under REFERENCE_ACCUMULATION (default 1)
+micro batches a step: rank 0's, then rank 1's, ..., each rank's in its order, re-padded to one
+width. Pass `micro_batch_size` = the multi-rank run's global batch (accumulation 1 here): each
+rank's stream takes micro_batch_size / (world x accumulation) records a micro batch.
 
-The 2-rank runs average their ranks' mean losses (DDP/FSDP average the gradients, train/loss is
-logged with sync_dist); that equals this run's mean over the union when both ranks' batches hold
-the same number of examples, so choose a record count divisible by 2 x the rank micro batch.
+crm-train's loss is the sum over a step's examples divided by their count on every rank and
+micro batch, so the multi-rank run's gradients equal this run's whatever the length policy
+dropped where (docs/DESIGN.md section 9).
 """
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import replace
 
 import torch
@@ -21,7 +25,8 @@ from crm.data.stream import PairStream, StreamLoader
 from crm.training.datamodule import CRMDataModule
 from crm.data.padding import pad_rows
 
-WORLD = 2
+WORLD = int(os.environ.get("REFERENCE_WORLD", "2"))
+ACCUMULATION = int(os.environ.get("REFERENCE_ACCUMULATION", "1"))
 
 
 def concat_batches(batches: list[dict], pad_id: int) -> dict:
@@ -38,7 +43,9 @@ def concat_batches(batches: list[dict], pad_id: int) -> dict:
         rows = ([r for b in per_batch for r in b[:len(b) // 2]]
                 + [r for b in per_batch for r in b[len(b) // 2:]])
     out = pad_rows(rows, pad_id)
-    out.update(keys=[k for b in batches for k in b["keys"]], position=batches[0]["position"],
+    keys = [k for b in batches for k in b["keys"]]
+    out.update(keys=keys, position=batches[0]["position"], step_examples=torch.tensor(len(keys)),
+               step_index=0, step_batches=1,
                **{name: sum(b[name] for b in batches) for name in ("shortened", "dropped")})
     if "labels" in batches[0]:
         out["labels"] = torch.cat([b["labels"] for b in batches])
@@ -46,30 +53,35 @@ def concat_batches(batches: list[dict], pad_id: int) -> dict:
 
 
 class GlobalBatches:
-    """Iterates the ranks' streams in lock step, one concatenated batch per step; epoch by epoch."""
+    """Iterates the ranks' streams in lock step, one concatenated batch per optimizer step (each
+    rank's ACCUMULATION micro batches, the epoch's last step possibly fewer); epoch by epoch."""
 
     def __init__(self, streams: list[PairStream], pad_id: int):
         self.streams, self.pad_id, self.epoch = streams, pad_id, 0
 
     def __len__(self) -> int:
-        return len(self.streams[0])
+        return -(-len(self.streams[0]) // ACCUMULATION)
 
     def __iter__(self):
         loaders = []
         for stream in self.streams:
             loader = StreamLoader(stream)
             loader.epoch = self.epoch
-            loaders.append(loader)
-        for batches in zip(*loaders, strict=True):
-            yield concat_batches(list(batches), self.pad_id)
+            loaders.append(iter(loader))
+        while True:
+            per_rank = [list(itertools.islice(loader, ACCUMULATION)) for loader in loaders]
+            if not per_rank[0]:
+                break
+            yield concat_batches([b for rank in per_rank for b in rank], self.pad_id)
         self.epoch += 1
 
 
 class GlobalBatchDataModule(CRMDataModule):
     def train_dataloader(self):
-        if self.stream.batch_size % WORLD:
-            raise ValueError(f"micro_batch_size={self.stream.batch_size}: not divisible by {WORLD}")
-        stream = replace(self.stream, batch_size=self.stream.batch_size // WORLD)
+        parts = WORLD * ACCUMULATION
+        if self.stream.batch_size % parts:
+            raise ValueError(f"micro_batch_size={self.stream.batch_size}: not divisible by {parts}")
+        stream = replace(self.stream, batch_size=self.stream.batch_size // parts)
         streams = [PairStream(self.manifest.shards("train"), self.tokenizer, stream, self.transform,
                               self.manifest.criteria_pool, rank=rank, world=WORLD)
                    for rank in range(WORLD)]

@@ -31,6 +31,7 @@ from crm.core.errors import ConfigError
 import crm.cli.train  # noqa: F401  (registers train.yaml's schema)
 from crm.data.demo import DemoConfig, prepare_demo
 from crm.data.manifest import load_manifest
+from crm.data.shard import shard
 from crm.models.checkpoint import SHARDED_META, is_complete_checkpoint, load_checkpoint, model_weights
 from crm.training.trainer import resolve_resume
 
@@ -42,12 +43,15 @@ BIN = Path(sys.executable).parent
 REFERENCE = Path(__file__).parents[1] / "dist" / "single_reference.py"
 RUN_TIMEOUT = 240  # seconds; a healthy run takes 10-40 s on the (shared) 2-core machine
 
-# 386 demo pairs shard into 360 eligible train records and 16 val records (ties dropped): both
-# divisible by 2 ranks x 4, so every rank batch holds 4 examples and the mean of the ranks' mean
-# losses is the mean over the global batch (what the one-process reference computes).
+# 386 demo pairs shard into 360 eligible train records and 16 val records (ties dropped). Runs
+# train on them with every 7th query too long to fit (with_long_queries): the length policy drops
+# those, so micro batches hold 0 to 4 examples and ranks differ; the loss (sum over the step's
+# examples / their global count) makes every run's gradients the one-process reference's anyway.
 DEMO = ["data.demo.n_train=386", "data.demo.n_test=20", "data.demo.n_bench=4"]
-TRAIN_RECORDS, RANK_BATCH = 360, 4
-SMALL = [*DEMO, "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2",
+TRAIN_RECORDS, RANK_BATCH, LONG_EVERY = 360, 4, 7
+LONG_SHARDS = "long_shards"  # under the root
+DATA = ["data=shards", f"data.path=${{paths.root_dir}}/{LONG_SHARDS}"]
+SMALL = [*DATA, "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2",
          "model.arch.intermediate_size=64", "model.vocab_size=300",
          "trainer.enable_progress_bar=false", "evaluate=false", "trainer.log_every_n_steps=1",
          "early_stopping_patience=0", "stream.num_workers=0", "torch_threads=1",
@@ -205,13 +209,37 @@ def batches_consumed(state: dict, world: int) -> int:
 
 # -- fixtures -------------------------------------------------------------------------------------
 
+def with_long_queries(raw: Path, out: Path) -> Path:
+    """The demo's training records with every LONG_EVERY-th query far longer than the stream's
+    max_tokens: the length policy drops them (criteria and query are never cut), and length
+    grouping sorts them together, so some micro batches lose examples and some are emptied."""
+    lines = raw.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        record = json.loads(line)
+        if i % LONG_EVERY == 0:
+            long_query = record["model_a"][0]["content"] + " Also, in detail:" + " tell me more" * 400
+            for side in ("model_a", "model_b"):
+                record[side][0]["content"] = long_query
+        records.append(json.dumps(record))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(records) + "\n")
+    return out
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    """CRM_ROOT of every run here: the demo data generated once into its .cache."""
+    """CRM_ROOT of every run here: the demo data generated once into its .cache, and DATA: the
+    same records with long queries (with_long_queries), sharded as the demo shards them (the same
+    keys, so the same train/val split)."""
     root = tmp_path_factory.mktemp("crm_dist")
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=[*DEMO, f"paths.root_dir={root}"])
-    manifest = load_manifest(prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo)))
+    prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))
+    raw = Path(cfg.data.demo.out_dir) / "raw" / "train.jsonl"
+    shard([str(with_long_queries(raw, root / "long" / "train.jsonl"))], root / LONG_SHARDS,
+          shard_size=1000)
+    manifest = load_manifest(root / LONG_SHARDS)
     eligible = {split: sum(s.eligible(keep_ties=False) for s in manifest.shards(split))
                 for split in ("train", "val")}
     assert eligible == {"train": TRAIN_RECORDS, "val": 16}, eligible  # see DEMO

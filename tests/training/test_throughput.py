@@ -73,7 +73,8 @@ def batches(n: int, lengths=LENGTHS) -> list[dict]:
         rows = [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in lengths]
         batch = pad_rows(rows, PAD)
         batch.update(labels=torch.arange(len(lengths)) % 2, shortened=torch.tensor(0),
-                     dropped=torch.tensor(0))
+                     dropped=torch.tensor(0), step_examples=torch.tensor(len(lengths)),
+                     step_index=0, step_batches=1)
         out.append(batch)
     return out
 

@@ -449,7 +449,8 @@ def synthetic_batches(tokenizer, n: int = 2) -> list[dict]:
                 for length in (5, 9, 7, 4)]
         batch = pad_rows(rows, tokenizer.pad_token_id)
         batch.update(labels=torch.tensor([0, 1, 1, 0]), shortened=torch.tensor(0),
-                     dropped=torch.tensor(0))
+                     dropped=torch.tensor(0), step_examples=torch.tensor(4), step_index=0,
+                     step_batches=1)
         out.append(batch)
     return out
 
@@ -554,10 +555,10 @@ def test_a_configuration_error_is_one_line_without_a_traceback(tmp_path):
 def test_early_stopping_stops_when_val_loss_rises(demo_root, tmp_path, monkeypatch):
     # A stubbed validation whose loss rises with every step: 1.0 at step 1, then 2.0 at step 2,
     # which with patience 1 stops the run (a real diverging run would be slow and flaky).
-    def validation_step(self, batch, batch_idx):
-        self.log("val/loss", float(self.global_step), on_epoch=True, batch_size=1)
+    def on_validation_epoch_end(self):  # where val/* is logged, once the ranks' sums are reduced
+        self.log("val/loss", float(self.global_step), on_epoch=True)
 
-    monkeypatch.setattr(CRMModule, "validation_step", validation_step)
+    monkeypatch.setattr(CRMModule, "on_validation_epoch_end", on_validation_epoch_end)
     metrics = run_train(demo_root, tmp_path / "run", "early_stopping_patience=1",
                         "val_every_n_steps=1", "trainer.max_steps=20")
     assert metrics["train"]["global_step"] == 2
