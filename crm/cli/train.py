@@ -144,6 +144,7 @@ def train(cfg: DictConfig) -> dict | None:
     # speed: docs/PERFORMANCE.md section 4). Read when CUDA first allocates, so set before anything.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    log_per_rank()
     run: TrainConfig = settings(cfg)
     check_config(cfg)
     compile = compile_layers(run)
@@ -206,6 +207,29 @@ def train(cfg: DictConfig) -> dict | None:
     metrics["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", metrics)
     return metrics
+
+
+def log_per_rank() -> None:
+    """Hydra's <job>.log (train.log) for global rank 0 alone; rank N writes <job>.rankN.log beside it.
+
+    Every rank of every node runs this command with the same run dir, and Hydra opens the same
+    file in each: appended to by all, its lines interleave. The rank is what the launcher set
+    (Lightning's reading of RANK, LOCAL_RANK or SLURM_PROCID), before any process group exists.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    rank = rank_zero_only.rank
+    if not rank:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        path = Path(handler.baseFilename)
+        own = logging.FileHandler(path.with_name(f"{path.stem}.rank{rank}{path.suffix}"))
+        own.setFormatter(handler.formatter)
+        own.setLevel(handler.level)
+        root.removeHandler(handler)
+        handler.close()
+        root.addHandler(own)
 
 
 def check_config(cfg: DictConfig) -> None:

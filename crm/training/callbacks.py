@@ -87,6 +87,13 @@ class ShardingReport(L.Callback):
         self.per_rank: list[dict] = []
 
     def on_train_end(self, trainer, pl_module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        # FSDP2 keeps the root gathered after a forward (the last validation's, here): count the
+        # parameters as they are stored, sharded.
+        for module in pl_module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         params = local_bytes(pl_module.parameters())
         optim = sum(local_bytes(state.values()) for opt in trainer.optimizers
                     for state in opt.state.values())

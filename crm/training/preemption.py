@@ -15,6 +15,7 @@ import threading
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,16 @@ class Preemption(L.Callback):
         self.received = False  # this process got the signal
         self.preempted = False  # the run saved and stopped because of it
         self.step = 0  # the optimizer step of the last step boundary seen
+        self.group = None  # the CPU process group of the flags (several ranks)
+        self.in_flight: tuple | None = None  # (work, flag) of the last boundary's all-reduce
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(self.signum, self._on_signal)
+        if trainer.world_size > 1 and stage == "fit":
+            # The flags travel on the CPU (a gloo group beside NCCL's): reading one never makes
+            # the host wait for the GPU. Every rank creates the group here, in the same order.
+            self.group = dist.new_group(backend="gloo")
 
     def _on_signal(self, signum, frame) -> None:
         self.received = True
@@ -51,15 +58,34 @@ class Preemption(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.step = trainer.global_step  # a resumed run starts past 0
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.in_flight is not None:  # every rank sent it: collect it before the group goes
+            self.in_flight[0].wait()
+            self.in_flight = None
+
+    def _any_rank_received(self) -> bool:
+        """Whether any rank had the signal (SLURM may signal only some ranks: any rank's stops all).
+
+        Each step boundary sends this rank's flag without waiting and reads the sum sent at the
+        previous boundary, long since arrived: no rank waits on another for it, and every rank
+        reads the same sum at the same step. The save comes one step after the signal.
+        """
+        if self.group is None:
+            return self.received
+        anyone = False
+        if self.in_flight is not None:
+            work, flag = self.in_flight
+            work.wait()
+            anyone = bool(flag.item() > 0)
+        flag = torch.tensor([float(self.received)])
+        self.in_flight = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        return anyone
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             return  # mid-accumulation: no optimizer step since the last boundary
         self.step = trainer.global_step
-        received = self.received
-        if trainer.world_size > 1:  # SLURM may signal only some ranks: any rank's signal stops all
-            flag = torch.tensor(float(received), device=pl_module.device)
-            received = bool(trainer.strategy.reduce(flag, reduce_op="sum") > 0)
-        if not received:
+        if not self._any_rank_received():
             return
         log.warning("preemption signal: saving %s at step %d", self.checkpoint_path, trainer.global_step)
         trainer.save_checkpoint(self.checkpoint_path)

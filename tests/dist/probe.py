@@ -4,10 +4,12 @@ tests/dist on PYTHONPATH): what only the ranks of a run can show, written to `$P
 - The gradient collectives FSDP2 issues while training, by kind and group size, with the number
   of optimizer steps they served: `reduce_scatter/<n>` (FSDP's, within the shard group of n) and
   `all_reduce/<n>` (HSDP's across the replicas, and crm's own step and metric sums over the world).
+- The examples of each micro batch each rank trained (what the length policy left in it).
 - The full model and optimizer state (every rank takes part in gathering it) when training starts
   and ends: a resumed run's start is the state it loaded, the saving run's end the state it saved.
 
-Written by global rank 0 as `probe-<name>.json`: {"steps", "counts", "start", "end"}, each state as
+Written by global rank 0 as `probe-<name>.json`: {"steps", "counts", "examples" (per rank, per
+micro batch), "start", "end"}, each state as
 {name: [sum, sum of |x|]} for the weights and the AdamW moments.
 """
 from __future__ import annotations
@@ -43,7 +45,11 @@ def _fingerprint(module: torch.nn.Module, optimizer) -> dict:
 class Probe(L.Callback):
     def __init__(self, name: str = "run"):
         self.name, self.counts, self.start_step = name, Counter(), 0
+        self.examples: list[int] = []
         self.report: dict = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.examples.append(len(batch["keys"]))
 
     def _counting(self, kind: str, collective):
         def wrapper(*args, **kwargs):
@@ -63,8 +69,10 @@ class Probe(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         for name, collective in self._originals.items():
             setattr(dist, name, collective)
+        examples = [None] * trainer.world_size
+        dist.all_gather_object(examples, self.examples)
         self.report.update(steps=trainer.global_step - self.start_step, counts=dict(self.counts),
-                           end=_fingerprint(pl_module, trainer.optimizers[0]))
+                           examples=examples, end=_fingerprint(pl_module, trainer.optimizers[0]))
         if trainer.is_global_zero:
             out = Path(os.environ["PROBE_DIR"]) / f"probe-{self.name}.json"
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ slow = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
 REFERENCE = Path(__file__).parents[1] / "dist" / "single_reference.py"
+PROBE = Path(__file__).parents[1] / "dist" / "probe.py"  # a callback: collectives, states, batch sizes
 RUN_TIMEOUT = 240  # seconds; a healthy run takes 10-40 s on the (shared) 2-core machine
 
 # 386 demo pairs shard into 360 eligible train records and 16 val records (ties dropped). Runs
@@ -75,16 +76,20 @@ def run_env(root: Path, **extra: str) -> dict:
            if not k.startswith(("SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env.update(CRM_ROOT=str(root), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=str(PROBE.parent), PROBE_DIR=str(root / "probe"))
     env.update(extra)
     return env
 
 
-def slurm_env(root: Path, job_id: str, rank: int, ntasks: int, port: int, path_prefix=None) -> dict:
-    """One srun task of a job with `ntasks` nodes x 1 task (docs/DESIGN.md section 10), all on loopback."""
+def slurm_env(root: Path, job_id: str, rank: int, ntasks: int, port: int, path_prefix=None,
+              per_node: int = 1) -> dict:
+    """One srun task of a job of `ntasks` tasks, `per_node` a node (docs/DESIGN.md section 10), all
+    on loopback."""
     env = run_env(root, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="crm-test", SLURM_NTASKS=str(ntasks),
-                  SLURM_NTASKS_PER_NODE="1", SLURM_NNODES=str(ntasks), SLURM_NODELIST="127.0.0.1",
-                  SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_LOCALID="0",
+                  SLURM_NTASKS_PER_NODE=str(per_node), SLURM_NNODES=str(ntasks // per_node),
+                  SLURM_NODELIST="127.0.0.1", SLURM_PROCID=str(rank),
+                  SLURM_NODEID=str(rank // per_node), SLURM_LOCALID=str(rank % per_node),
                   MASTER_PORT=str(port))
     if path_prefix:
         env["PATH"] = f"{path_prefix}{os.pathsep}{env['PATH']}"
@@ -142,9 +147,18 @@ def crm_train_cmd(*overrides: str, script: Path | None = None) -> list[str]:
     return [*prefix, *SMALL, *overrides]
 
 
-def train(root: Path, name: str, *overrides: str, script: Path | None = None) -> Path:
+def probe(name: str) -> list[str]:
+    """crm-train overrides that add tests/dist/probe.py's callback; its report: probe_report(name)."""
+    return ["+callbacks.probe._target_=probe.Probe", f"+callbacks.probe.name={name}"]
+
+
+def probe_report(root: Path, name: str) -> dict:
+    return json.loads((root / "probe" / f"probe-{name}.json").read_text())
+
+
+def train(root: Path, name: str, *overrides: str, script: Path | None = None, **env: str) -> Path:
     """Runs crm-train (or `script` with crm-train's arguments) to the end; the run dir."""
-    proc = Proc(crm_train_cmd(f"name={name}", *overrides, script=script), run_env(root),
+    proc = Proc(crm_train_cmd(f"name={name}", *overrides, script=script), run_env(root, **env),
                 root / "logs" / f"{name}.log")
     with cleanup(proc):
         proc.assert_ok()
@@ -254,7 +268,7 @@ class SharedRuns:
 
     @cached_property
     def fsdp(self) -> Path:
-        return train(self.root, "fsdp", *FSDP, *CURVE)
+        return train(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"))
 
     @cached_property
     def ddp(self) -> Path:
@@ -307,9 +321,13 @@ def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
         assert diff <= LOSS_ATOL, (name, diff)
     # The first steps agree far more closely: differences are rounding, amplified by training.
     assert max(abs(f_train[k] - r_train[k]) for k in range(1, 4)) <= 1e-6
-    # Every rank batch held 4 examples (none dropped by the length policy): equal rank weights.
+    # The length policy dropped records, emptying some micro batches of one rank and not the
+    # other's: the runs neither hung nor weighed examples by where they landed.
     dropped = logged(runs.fsdp, "data/dropped")
-    assert dropped and dropped[-1][1] == 0.0
+    assert dropped and dropped[-1][1] > 0
+    rank0, rank1 = probe_report(runs.root, "fsdp")["examples"]
+    assert len(rank0) == len(rank1) == 30 and max(rank0 + rank1) == RANK_BATCH
+    assert any(min(a, b) == 0 < max(a, b) for a, b in zip(rank0, rank1)), (rank0, rank1)
     # Same data: the runs saw the same number of records at every step.
     for run in (runs.fsdp, runs.ddp):
         state = stream_state(checkpoint_meta(run / "checkpoints" / "last.ckpt"))
@@ -447,34 +465,93 @@ def test_a_scorer_reads_an_fsdp_sharded_checkpoint_as_it_is(runs, root, tmp_path
 # -- 4. a simulated 2-node SLURM job --------------------------------------------------------------
 
 def slurm_job(root: Path, job_id: str, ntasks: int, *overrides: str, path_prefix=None,
-              tag: str = "") -> tuple[Proc, ...]:
+              tag: str = "", per_node: int = 1) -> tuple[Proc, ...]:
     port = free_port()
     return tuple(Proc(crm_train_cmd(*overrides), slurm_env(root, job_id, rank, ntasks, port,
-                                                          path_prefix),
+                                                          path_prefix, per_node),
                       root / "logs" / f"slurm-{job_id}{tag}-{rank}.log")
                  for rank in range(ntasks))
 
 
-@slow
-def test_two_node_slurm_job_on_loopback(root):
-    job_id = "4242"
-    # No batch override: micro_batch_size=auto splits the default global batch over the 2 nodes.
-    procs = slurm_job(root, job_id, 2, "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1",
-                      "trainer.num_nodes=2", "trainer.max_steps=3", "val_every_n_steps=3",
-                      "save_every_n_steps=3", "name=ignored")
+# 2 nodes x 2 ranks, 2 records a micro batch, 16 a step (accumulation 2): one epoch is 45 micro
+# batches a rank (360 / 4 / 2), 23 optimizer steps, the last of one micro batch. The same records in
+# FSDP over 2 ranks with accumulation 4: 90 micro batches a rank, 23 steps again.
+HSDP_JOB = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=2",
+            "parallel.param_dtype=float32", "micro_batch_size=2", "global_batch_size=16",
+            "val_every_n_steps=10", "save_every_n_steps=23"]
+EPOCH_STEPS, UNITS = 23, 3  # FSDP units: 2 decoder layers + the root
+
+
+def hsdp_job(root: Path, job_id: str, *overrides: str) -> Path:
+    """A simulated SLURM job of 2 nodes x 2 tasks to its end; its run dir."""
+    procs = slurm_job(root, job_id, 4, *HSDP_JOB, *probe(job_id), *overrides, per_node=2)
     with cleanup(*procs):
         for p in procs:
             p.assert_ok()
-    run_dir = root / "outputs" / job_id  # the job id names the run dir under SLURM
-    m = metrics(run_dir)["train"]
-    assert m["world_size"] == 2 and m["global_step"] == 3
-    assert m["micro_batch_size"] == 32 and m["accumulation"] == 1  # the default global batch: 64
-    assert len(m["per_rank_memory"]) == 2
-    assert (run_dir / "export" / "model.safetensors").is_file()
-    assert not (root / "outputs" / "ignored").exists()
-    last = run_dir / "checkpoints" / "last.ckpt"
-    assert last.is_dir() and is_complete_checkpoint(last)  # sharded
-    assert stream_state(checkpoint_meta(last))["world"] == 2
+    return root / "outputs" / job_id  # the job id names the run dir under SLURM
+
+
+def assert_same_state(loaded: dict, saved: dict) -> None:
+    """A resumed run's state at its start is the state the other run saved: weights exactly, the
+    AdamW moments to fp32 rounding (resharded over another mesh, then summed here)."""
+    assert loaded.keys() == saved.keys() and any(k.startswith("exp_avg:") for k in saved)
+    for key, (total, size) in saved.items():
+        tol = 0.0 if key.startswith("weight:") else 1e-6 * size + 1e-12
+        assert abs(loaded[key][0] - total) <= tol and abs(loaded[key][1] - size) <= tol, key
+
+
+@pytest.fixture(scope="module")
+def hsdp(root) -> Path:
+    # sharding=auto: several nodes of several ranks (CPU: no device memory to plan against) -> hsdp
+    return hsdp_job(root, "4242", f"trainer.max_steps={EPOCH_STEPS}")
+
+
+@slow
+def test_hsdp_on_two_simulated_nodes_trains_as_one_process(root, hsdp):
+    m = metrics(hsdp)["train"]
+    assert m["world_size"] == 4 and m["global_step"] == EPOCH_STEPS
+    assert (m["micro_batch_size"], m["accumulation"]) == (2, 2)
+    last = hsdp / "checkpoints" / "last.ckpt"
+    assert checkpoint_meta(last)["crm_config"]["parallel"]["sharding"] == "hsdp"
+    assert sorted(p.name for p in last.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    # The one-process reference trains on the union of the 4 ranks' 2 micro batches a step.
+    reference = train(root, "reference_4x2", "micro_batch_size=16", "global_batch_size=16",
+                      f"trainer.max_steps={EPOCH_STEPS}", "val_every_n_steps=10",
+                      "save_every_n_steps=1000", script=REFERENCE, REFERENCE_WORLD="4",
+                      REFERENCE_ACCUMULATION="2")
+    (h_train, h_val), (r_train, r_val) = curves(hsdp), curves(reference)
+    assert sorted(h_train) == list(range(1, EPOCH_STEPS + 1)) and sorted(h_val) == [10, 20]
+    figures = {"train": max_diff(h_train, r_train), "val": max_diff(h_val, r_val)}
+    print(f"HSDP 2x2 (accumulation 2) vs one process: max |loss difference| over {EPOCH_STEPS} "
+          f"steps: {figures}")
+    assert max(figures.values()) <= LOSS_ATOL
+    # Within a node, a reduce-scatter per FSDP unit and micro batch (45 of them); across nodes,
+    # one all-reduce per unit and optimizer step.
+    counts = probe_report(root, "4242")["counts"]
+    assert counts["reduce_scatter/2"] == UNITS * 45 and counts["all_reduce/2"] == UNITS * EPOCH_STEPS
+    # Hydra's train.log is rank 0's; the other ranks write their own.
+    logs = {p.name: p.read_text() for p in hsdp.glob("train*.log")}
+    assert set(logs) == {"train.log", "train.rank1.log", "train.rank2.log", "train.rank3.log"}
+    assert all(text.count("FSDP2: 2 decoder layers") == 1 for text in logs.values()), logs
+
+
+@slow
+def test_hsdp_checkpoints_resume_under_fsdp_at_world_2_and_back(root, hsdp):
+    # HSDP 2x2 -> FSDP 2 ranks, accumulation 4, through its epoch; then FSDP -> HSDP for one step.
+    fsdp = train(root, "fsdp_from_hsdp", *FSDP, "micro_batch_size=2", "global_batch_size=16",
+                 f"resume={hsdp / 'checkpoints' / 'last.ckpt'}", f"trainer.max_steps={2 * EPOCH_STEPS}",
+                 "val_every_n_steps=1000", f"save_every_n_steps={EPOCH_STEPS}", *probe("fsdp_from_hsdp"))
+    saved, loaded = probe_report(root, "4242"), probe_report(root, "fsdp_from_hsdp")
+    assert_same_state(loaded["start"], saved["end"])
+    m = metrics(fsdp)["train"]
+    assert (m["world_size"], m["accumulation"], m["global_step"]) == (2, 4, 2 * EPOCH_STEPS)
+    # One reduce-scatter per FSDP unit and optimizer step, whatever the accumulation.
+    assert loaded["counts"]["reduce_scatter/2"] == UNITS * EPOCH_STEPS, loaded["counts"]
+
+    back = hsdp_job(root, "4243", f"resume={fsdp / 'checkpoints' / 'last.ckpt'}",
+                    f"trainer.max_steps={2 * EPOCH_STEPS + 1}")
+    assert_same_state(probe_report(root, "4243")["start"], loaded["end"])
+    assert metrics(back)["train"]["global_step"] == 2 * EPOCH_STEPS + 1
 
 
 # -- 5. preemption --------------------------------------------------------------------------------
@@ -585,6 +662,36 @@ def test_resume_auto_ignores_incomplete_sharded_checkpoints(tmp_path):
     assert resolve_resume("auto", tmp_path) == str(old)
     with pytest.raises(ConfigError, match="incomplete"):
         resolve_resume(str(partial), tmp_path)
+
+
+def test_every_rank_resumes_from_rank_0s_choice_whatever_it_sees(tmp_path):
+    from types import SimpleNamespace
+
+    from crm.training.trainer import AgreedResume
+
+    seen_by_rank_1 = tmp_path / "rank1"  # this rank sees a complete last.ckpt; rank 0 saw none
+    last = seen_by_rank_1 / "checkpoints" / "last.ckpt"
+    last.mkdir(parents=True)
+    for name in ("__0_0.distcp", ".metadata", SHARDED_META):
+        (last / name).write_bytes(b"x")
+    assert resolve_resume("auto", seen_by_rank_1) == str(last)
+    sent = []
+
+    def broadcast(obj, src=0):  # rank 0's message: its choice (None) and no error
+        sent.append(obj)
+        return (None, None)
+
+    resume = AgreedResume("auto", seen_by_rank_1)
+    resume.trainer = SimpleNamespace(strategy=SimpleNamespace(global_rank=1, broadcast=broadcast))
+    assert resume.decide() is None and sent == [(None, None)]  # rank 1 sent nothing of its own
+    resume.decide()
+    assert len(sent) == 1  # decided once
+
+    # Rank 0 with a resume path that cannot be read: every rank raises its error, none waits.
+    rank0 = AgreedResume(str(tmp_path / "missing.ckpt"), tmp_path)
+    rank0.trainer = SimpleNamespace(strategy=SimpleNamespace(global_rank=0, broadcast=lambda o, src=0: o))
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        rank0.decide()
 
 
 def test_a_resumed_run_appends_to_the_csv_history(tmp_path):
