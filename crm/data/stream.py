@@ -270,8 +270,8 @@ def _ignore_preemption_signals(worker_id: int) -> None:
 def with_step_counts(batches: Iterator[dict], step_batches: int, epoch_batches: int) -> Iterator[dict]:
     """`batches` with each optimizer step's example count: `step_examples` (a tensor: the
     examples the length policy kept in the step's micro batches, on this rank), `step_index` (the
-    batch's place among them) and `step_batches` (how many there are), plain ints that a
-    trainer reads without waiting for a device.
+    batch's place among them), `step_batches` (how many there are) and `epoch_index` (its place in
+    the epoch): plain ints, which a trainer reads without waiting for a device.
 
     A step is `step_batches` consecutive batches of the epoch (its last step may be shorter), as
     Lightning accumulates them; a step's batches are read ahead so that the first one can carry
@@ -285,7 +285,8 @@ def with_step_counts(batches: Iterator[dict], step_batches: int, epoch_batches: 
             continue
         examples = torch.tensor(sum(len(b["keys"]) for b in pending))
         for i, step_batch in enumerate(pending):
-            step_batch.update(step_examples=examples, step_index=i, step_batches=len(pending))
+            step_batch.update(step_examples=examples, step_index=i, step_batches=len(pending),
+                              epoch_index=int(step_batch["position"][1]))
         yield from pending
         pending = []
 

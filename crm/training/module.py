@@ -77,6 +77,15 @@ class CRMModule(L.LightningModule):
         holds). Times the data-parallel world (DDP and FSDP average gradients over it) and the
         accumulation (Lightning divides by it), every example weighs the same wherever it lands,
         and an emptied micro batch is a zero, not a hang (docs/DESIGN.md section 9)."""
+        if batch_idx != batch["epoch_index"]:
+            # Lightning groups micro batches into steps by its count of the epoch, the stream by
+            # its position: they part only when Lightning's restored loop disagrees with the
+            # stream's epoch (a resume at another world size whose epochs differ in length).
+            raise RuntimeError(
+                f"the training stream is at micro batch {batch['epoch_index']} of its epoch, "
+                f"Lightning's loop at {batch_idx}: resume at another world size from a checkpoint "
+                "of an epoch end with the same micro batches a rank per epoch, or at the same "
+                "world size (docs/CHECKPOINTING.md)")
         if batch["step_index"] == 0:
             self._step_examples = self._all_ranks_sum(batch["step_examples"].to(self.device).float())
         loss_sum, sums = self._sums(batch)

@@ -34,6 +34,7 @@ def main(batch_file: str, out_dir: str, checkpoints: list[str]) -> None:
         crm = build_sharded(make, mesh["data_parallel"], ParallelConfig(param_dtype="float32"))
         with torch.no_grad():
             logits = crm.eval()(batch["input_ids"], batch["attention_mask"])
+        crm.reshard()  # FSDP2 keeps the root (the head with it) gathered after a forward
         head = crm.model.score.weight.full_tensor()  # a collective: every rank takes part
         if dist.get_rank() == 0:
             save_file({"logits": logits, "head": head,

@@ -29,7 +29,7 @@ WORLD = int(os.environ.get("REFERENCE_WORLD", "2"))
 ACCUMULATION = int(os.environ.get("REFERENCE_ACCUMULATION", "1"))
 
 
-def concat_batches(batches: list[dict], pad_id: int) -> dict:
+def concat_batches(batches: list[dict], pad_id: int, step: int = 0) -> dict:
     """The rows of `batches`, right-padded to one width; counters summed.
 
     Pairwise: rank 0's rows, then rank 1's. Pointwise keeps the chosen-then-rejected layout: every
@@ -45,7 +45,7 @@ def concat_batches(batches: list[dict], pad_id: int) -> dict:
     out = pad_rows(rows, pad_id)
     keys = [k for b in batches for k in b["keys"]]
     out.update(keys=keys, position=batches[0]["position"], step_examples=torch.tensor(len(keys)),
-               step_index=0, step_batches=1,
+               step_index=0, step_batches=1, epoch_index=step,
                **{name: sum(b[name] for b in batches) for name in ("shortened", "dropped")})
     if "labels" in batches[0]:
         out["labels"] = torch.cat([b["labels"] for b in batches])
@@ -68,11 +68,11 @@ class GlobalBatches:
             loader = StreamLoader(stream)
             loader.epoch = self.epoch
             loaders.append(iter(loader))
-        while True:
+        for step in itertools.count():
             per_rank = [list(itertools.islice(loader, ACCUMULATION)) for loader in loaders]
             if not per_rank[0]:
                 break
-            yield concat_batches([b for rank in per_rank for b in rank], self.pad_id)
+            yield concat_batches([b for rank in per_rank for b in rank], self.pad_id, step)
         self.epoch += 1
 
 

@@ -69,12 +69,12 @@ class Recorder(Logger):
 def batches(n: int, lengths=LENGTHS) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
-    for _ in range(n):
+    for i in range(n):
         rows = [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in lengths]
         batch = pad_rows(rows, PAD)
         batch.update(labels=torch.arange(len(lengths)) % 2, shortened=torch.tensor(0),
                      dropped=torch.tensor(0), step_examples=torch.tensor(len(lengths)),
-                     step_index=0, step_batches=1)
+                     step_index=0, step_batches=1, epoch_index=i)
         out.append(batch)
     return out
 

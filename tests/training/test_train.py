@@ -444,13 +444,13 @@ class DtypeProbe(L.Callback):
 def synthetic_batches(tokenizer, n: int = 2) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
-    for _ in range(n):
+    for i in range(n):
         rows = [torch.randint(3, len(tokenizer), (length,), generator=g).tolist()
                 for length in (5, 9, 7, 4)]
         batch = pad_rows(rows, tokenizer.pad_token_id)
         batch.update(labels=torch.tensor([0, 1, 1, 0]), shortened=torch.tensor(0),
                      dropped=torch.tensor(0), step_examples=torch.tensor(4), step_index=0,
-                     step_batches=1)
+                     step_batches=1, epoch_index=i)
         out.append(batch)
     return out
 
