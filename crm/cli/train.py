@@ -32,6 +32,7 @@ from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSe
 from crm.evaluation.accuracy import evaluate_files
 from crm.inference.scorer import CRMScorer
 from crm.models import compile as compiling
+from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training.callbacks import CheckpointCard, ExportBest, ShardingReport
@@ -162,7 +163,8 @@ def train(cfg: DictConfig) -> dict | None:
     run_config = OmegaConf.to_container(cfg, resolve=True)
     module = CRMModule(partial(build_crm, run.model, run.loss,
                                num_labels=datamodule.transform.num_labels,
-                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer)),
+                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                               compiled=compile),
                        run.optim, run.parallel, run_config=run_config, compile=compile)
     sweep = sweep_info(run)
     logger = make_logger(run.logger, run_dir, run.name, sweep)
@@ -220,7 +222,8 @@ def check_config(cfg: DictConfig) -> None:
 
 def compile_layers(run: TrainConfig) -> bool:
     """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
-    where inductor can; compile=true where it cannot is refused at start)."""
+    where inductor can; compile=true where it cannot, and an attention implementation compiled
+    layers cannot run, are refused at start)."""
     device = device_type(run.trainer)
     try:
         wanted = compiling.resolve(run.compile, device)
@@ -232,6 +235,8 @@ def compile_layers(run: TrainConfig) -> bool:
     if reason:
         log.warning("compile=auto: decoder layers stay eager on %s: %s", device, reason)
         return False
+    if wanted and run.model.attention not in ("auto", *COMPILABLE_ATTENTION):
+        raise ConfigError(not_compilable(run.model.attention))
     return wanted
 
 
