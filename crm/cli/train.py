@@ -224,17 +224,10 @@ def compile_layers(run: TrainConfig) -> bool:
     """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
     where inductor can; compile=true where it cannot, and an attention implementation compiled
     layers cannot run, are refused at start)."""
-    device = device_type(run.trainer)
     try:
-        wanted = compiling.resolve(run.compile, device)
+        wanted = compiling.decide(run.compile, device_type(run.trainer))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    reason = compiling.why_not_compilable(device) if wanted else None
-    if reason and run.compile is True:
-        raise ConfigError(f"compile=true on {device}: {reason}; set compile=false (or auto)")
-    if reason:
-        log.warning("compile=auto: decoder layers stay eager on %s: %s", device, reason)
-        return False
     if wanted and run.model.attention not in ("auto", *COMPILABLE_ATTENTION):
         raise ConfigError(not_compilable(run.model.attention))
     return wanted

@@ -55,6 +55,19 @@ def resolve(setting, device_type: str) -> bool:
     raise ValueError(f"compile={setting!r}: expected auto, true or false")
 
 
+def decide(setting, device_type: str) -> bool:
+    """Whether to compile for `device_type`: `resolve`, then where inductor cannot build there,
+    compile=true is refused (ValueError, one line) and auto stays eager with a warning."""
+    wanted = resolve(setting, device_type)
+    reason = why_not_compilable(device_type) if wanted else None
+    if reason and setting is True:
+        raise ValueError(f"compile=true on {device_type}: {reason}; set compile=false (or auto)")
+    if reason:
+        log.warning("compile=auto: decoder layers stay eager on %s: %s", device_type, reason)
+        return False
+    return wanted
+
+
 def why_not_compilable(device_type: str) -> str | None:
     """Why inductor cannot compile for `device_type` here (None when it can).
 
