@@ -14,9 +14,9 @@ a third less for backward (docs/PERFORMANCE.md sections 4 and 9).
 - Shapes: only what varies is dynamic. The batch and sequence dimensions of the layers' inputs
   (the embeddings' output, RoPE's cos/sin) are marked dynamic where they are made, so the first
   graph already serves every row length and micro batch; everything the model fixes (head size,
-  grouped heads, the norms' eps, the attention scale) stays a constant of the graph, as inductor
-  needs to emit its fixed-size fused reductions (`dynamic=True` would make them symbols and
-  tensors read with `.item()`). Dynamo still specialises a size of 1, so a micro batch of one row,
+  grouped heads, the norms' eps, the attention scale) stays a constant of the graph, for inductor's
+  fixed-size fused reductions (`dynamic=True` made the hidden size a symbol and read eps and scale
+  from 0-d tensors with `.item()`). Dynamo still specialises a size of 1, so a micro batch of one row,
   or a forward in eval mode, compiles once more. `fullgraph=True`: a graph break is an error,
   never a silent fall back to eager, and so is passing torch._dynamo's recompile limit (8 graphs
   per code); `compile_stats` counts graphs and breaks for the logs, and `RECOMPILE_WARNING` is
