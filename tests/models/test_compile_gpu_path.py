@@ -56,6 +56,28 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                  (v, cu_seqlens_k[i], cu_seqlens_k[i + 1]))]
         outs.append(flash_attn_func(*rows, dropout_p, softmax_scale, causal)[0])
     return torch.cat(outs)
+
+
+def flash_attn_with_kvcache(*args, **kwargs):
+    raise NotImplementedError("the stand-in has no paged KV-cache kernel (crm never decodes)")
+'''
+BERT_PADDING = '''
+"""flash_attn.bert_padding: rows of a right-padded batch to one packed sequence and back."""
+import torch
+
+
+def unpad_input(hidden_states, attention_mask, unused_mask=None):
+    lengths = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+    packed = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    return packed, indices, cu_seqlens, int(lengths.max()), lengths
+
+
+def pad_input(hidden_states, indices, batch, seqlen):
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    out[indices] = hidden_states
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])
 '''
 
 
@@ -66,6 +88,7 @@ def flash_attn_installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("site")
     (root / "flash_attn").mkdir()
     (root / "flash_attn" / "__init__.py").write_text(textwrap.dedent(STAND_IN))
+    (root / "flash_attn" / "bert_padding.py").write_text(BERT_PADDING)
     info = root / "flash_attn-2.8.3.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash-attn\nVersion: 2.8.3\n")
@@ -228,3 +251,38 @@ def test_a_model_with_flash_attention_is_not_compiled():
     model = type("M", (), {"config": type("C", (), {"_attn_implementation": "flash_attention_2"})()})()
     with pytest.raises(ValueError, match="attention=flash_attention_2 cannot run in compiled decoder layers"):
         compiling.compile_layers(model)
+
+
+def test_transformers_flash_attention_wrapper_breaks_the_graph_on_one_row(flash_attn_installed):
+    """Why compiled layers refuse flash_attention_2 (backbone.not_compilable): transformers 5.23's
+    wrapper, run whole by dynamo over the stand-in, compiles a bf16 four-row batch but stops on a
+    one-row batch (its packed-sequence check reads tensor values) and under autocast (it logs from
+    inside the layer). If this test fails, transformers has fixed it: the refusal can go."""
+    from transformers import modeling_flash_attention_utils as flash_utils
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    crm = build_crm(ModelConfig(arch=COMPILE_ARCH, attention="sdpa"), LossConfig("pairwise"), num_labels=2,
+                    pad_token_id=tok.pad_token_id, vocab_size=len(tok))
+    with gpu_visible():  # transformers loads its flash functions once, where it sees a GPU
+        flash_utils.lazy_import_flash_attention("flash_attention_2")
+    crm.model.config._attn_implementation = "flash_attention_2"  # what compile_layers would refuse
+    calls = len(flash_attn_installed.calls)
+    outcomes = {}
+    for name, rows, dtype in (("bf16, 4 rows", 4, torch.bfloat16), ("bf16, 1 row", 1, torch.bfloat16),
+                              ("autocast, 4 rows", 4, torch.float32)):
+        torch._dynamo.reset()
+        crm.to(dtype)
+        for layer in crm.model.model.layers:
+            layer.compile(backend="eager", fullgraph=True)
+        b = rows_batch(rows, seed=rows)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+                crm(b["input_ids"], b["attention_mask"])
+            outcomes[name] = "compiled"
+        except torch._dynamo.exc.Unsupported as exc:
+            outcomes[name] = str(exc).splitlines()[0]
+    torch._dynamo.reset()
+    assert outcomes["bf16, 4 rows"] == "compiled" and len(flash_attn_installed.calls) > calls
+    assert outcomes["bf16, 1 row"] == "Data-dependent branching", outcomes
+    assert "logging.Logger" in outcomes["autocast, 4 rows"], outcomes
