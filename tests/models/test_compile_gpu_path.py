@@ -11,6 +11,7 @@ inductor). One model per precision is built and compiled once for this module.
 from __future__ import annotations
 
 import contextlib
+import sys
 import textwrap
 
 import pytest
@@ -98,7 +99,9 @@ def flash_attn_installed(tmp_path_factory):
         import flash_attn
 
         yield flash_attn
-        clear_install_probes()
+        for name in ("flash_attn", "flash_attn.bert_padding"):  # imported: gone with the path
+            sys.modules.pop(name, None)
+    clear_install_probes()
 
 
 def clear_install_probes():
