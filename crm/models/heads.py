@@ -73,7 +73,7 @@ class PairwiseCRM(nn.Module):
         labels = batch["labels"]
         if not labels.numel():
             return _empty_batch_loss(self, batch)
-        logits = self(batch["input_ids"], batch["attention_mask"])  # float32 (head_at)
+        logits = self(batch["input_ids"], batch["attention_mask"]).float()
         loss = F.cross_entropy(logits, labels)
         return {"loss": loss, "acc": (logits.argmax(-1) == labels).float().mean(),
                 "n": labels.numel()}
@@ -100,7 +100,7 @@ class PointwiseCRM(nn.Module):
         """L_ranking: -log sigmoid(r_c - r_r - margin) (+ center_coef * (r_c + r_r)^2)."""
         if not batch["input_ids"].shape[0]:
             return _empty_batch_loss(self, batch)
-        rewards = self(batch["input_ids"], batch["attention_mask"])  # float32 (head_at)
+        rewards = self(batch["input_ids"], batch["attention_mask"]).float()
         n = rewards.shape[0] // 2
         chosen, rejected = rewards[:n], rewards[n:]
         diff = chosen - rejected
