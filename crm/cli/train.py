@@ -32,6 +32,7 @@ from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSe
 from crm.evaluation.accuracy import evaluate_files
 from crm.inference.scorer import CRMScorer
 from crm.models import compile as compiling
+from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training.callbacks import CheckpointCard, ExportBest, ShardingReport
@@ -168,7 +169,8 @@ def train(cfg: DictConfig) -> dict | None:
     run_config["parallel"]["sharding"] = parallel.sharding  # what ran, not "auto"
     module = CRMModule(partial(build_crm, run.model, run.loss,
                                num_labels=datamodule.transform.num_labels,
-                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer)),
+                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                               compiled=compile),
                        run.optim, parallel, run_config=run_config, compile=compile)
     sweep = sweep_info(run)
     logger = make_logger(run.logger, run_dir, run.name, sweep)
@@ -281,18 +283,14 @@ def fits_in_a_node(run: TrainConfig, vocab_size: int, micro_batch: int, compiled
 
 def compile_layers(run: TrainConfig) -> bool:
     """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
-    where inductor can; compile=true where it cannot is refused at start)."""
-    device = device_type(run.trainer)
+    where inductor can; compile=true where it cannot, and an attention implementation compiled
+    layers cannot run, are refused at start)."""
     try:
-        wanted = compiling.resolve(run.compile, device)
+        wanted = compiling.decide(run.compile, device_type(run.trainer))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    reason = compiling.why_not_compilable(device) if wanted else None
-    if reason and run.compile is True:
-        raise ConfigError(f"compile=true on {device}: {reason}; set compile=false (or auto)")
-    if reason:
-        log.warning("compile=auto: decoder layers stay eager on %s: %s", device, reason)
-        return False
+    if wanted and run.model.attention not in ("auto", *COMPILABLE_ATTENTION):
+        raise ConfigError(not_compilable(run.model.attention))
     return wanted
 
 

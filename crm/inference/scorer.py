@@ -94,9 +94,10 @@ class CRMScorer:
         self.template = template
         self.batch_size = batch_size
         self.device = device or next(model.parameters()).device
-        # Training's compiled layers (crm.models.compile; auto: on CUDA), for the plain path; the
-        # prefix engine's cached keys and values run eagerly.
-        if compiling.resolve(compile, self.device.type):
+        # Training's compiled layers (crm.models.compile; auto: on CUDA, where inductor can build),
+        # for the plain path; the prefix engine's cached keys and values run eagerly (a KV cache
+        # read per layer index would cost a graph per layer).
+        if compiling.decide(compile, self.device.type):
             compiling.compile_layers(model)
         self.num_labels = model.config.num_labels
         self.prefix_reuse = prefix_reuse

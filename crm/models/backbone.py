@@ -32,15 +32,36 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
-def choose_attention(requested: str = "auto") -> str:
-    """flash_attention_2 where it is installed and a GPU is present, else sdpa; logged either way."""
+# What compiled decoder layers can run (crm.models.compile): transformers' flash-attention wrapper
+# branches on tensor values (a one-row batch's packed-sequence check) and logs inside the layer, so
+# dynamo cannot capture it whole (docs/PERFORMANCE.md section 9).
+COMPILABLE_ATTENTION = ("sdpa", "eager")
+
+
+def not_compilable(attention: str) -> str:
+    """The one-line refusal of an attention implementation that compiled layers cannot run."""
+    return (f"attention={attention} cannot run in compiled decoder layers (transformers' "
+            "flash-attention wrapper branches on tensor values, e.g. on a one-row batch); use "
+            "attention=sdpa, whose flash kernel serves Qwen3's grouped heads on the GPU, or compile=false")
+
+
+def choose_attention(requested: str = "auto", compiled: bool = False) -> str:
+    """The attention implementation for a model whose decoder layers are `compiled` or eager.
+
+    auto: sdpa for compiled layers, whatever is installed (torch's sdpa runs its own flash kernel
+    for crm's unmasked causal rows, grouped query heads included, and dynamo traces it whole);
+    eager layers take flash_attention_2 where flash-attn is installed and a GPU is present, else
+    sdpa. Logged either way. An explicit flash_attention_2 with compiled layers is refused.
+    """
     if requested == "auto":
-        flash = torch.cuda.is_available() and is_flash_attn_2_available()
+        flash = not compiled and torch.cuda.is_available() and is_flash_attn_2_available()
         chosen = "flash_attention_2" if flash else "sdpa"
-        why = "flash-attn installed, CUDA present" if flash else (
-            "no CUDA" if not torch.cuda.is_available() else "flash-attn not installed")
+        why = ("compiled decoder layers" if compiled else "flash-attn installed, CUDA present" if flash
+               else "no CUDA" if not torch.cuda.is_available() else "flash-attn not installed")
         log.info("attention: %s (%s)", chosen, why)
         return chosen
+    if compiled and requested not in COMPILABLE_ATTENTION:
+        raise ValueError(not_compilable(requested))
     if requested == "flash_attention_2" and not is_flash_attn_2_available():
         raise ValueError("attention=flash_attention_2 but flash-attn is not installed "
                          "(pip install '.[gpu]' on a CUDA machine), or use attention=auto")
@@ -54,19 +75,21 @@ def qwen3_config(arch: dict, *, num_labels: int, pad_token_id: int) -> Qwen3Conf
 
 def build_classifier(*, num_labels: int, pad_token_id: int | None, path: str | None = None,
                      arch: str | dict | None = None, attention: str = "auto",
-                     dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+                     dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+                     compiled: bool = False):
     """A Qwen3ForSequenceClassification: weights from `path`, or random init from `arch`.
 
     `arch` is a name in ARCHITECTURES or a dict of Qwen3Config fields (the tiny model's). On the
     meta device the model has shapes and no storage. `pad_token_id` falls back to the
-    checkpoint's; the head needs one to find each row's last token in a padded batch.
+    checkpoint's; the head needs one to find each row's last token in a padded batch. `compiled`:
+    its decoder layers will be compiled (the attention choice depends on it).
 
     From `path` the model is built on the meta device from the checkpoint's config, then allocated
     on `device` and filled by `load_pretrained`: the weights are read once, into their final place.
     With device="meta" nothing is read and `model.name_or_path` keeps `path`: a caller that shards
     the model first loads each rank's shards afterwards (crm.training.parallel.build_sharded).
     """
-    attention = choose_attention(attention)
+    attention = choose_attention(attention, compiled)
     if path:
         # local_files_only: a path is a directory here, never a hub id fetched at run time.
         config = AutoConfig.from_pretrained(path, num_labels=num_labels, local_files_only=True)

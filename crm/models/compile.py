@@ -11,11 +11,18 @@ a third less for backward (docs/PERFORMANCE.md sections 4 and 9).
 - Order (torchtitan's): activation checkpointing, then compile, then FSDP2's `fully_shard`
   (crm.training.parallel.build_sharded). transformers 5 checkpoints a layer's `forward`, inside
   the compiled call; FSDP2's hooks are its own.
-- Shapes: `dynamic=True`, so rows of any length and micro batches of any size reuse the graph;
-  dynamo still specialises sizes 0 and 1, so a micro batch of one row, or a forward in eval mode,
-  compiles once more. `fullgraph=True`: a graph break is an error, never a silent fall back to
-  eager, and so is passing torch._dynamo's recompile limit (8 graphs per code); `compile_stats`
-  counts graphs and breaks for the logs, and `RECOMPILE_WARNING` is where crm warns first.
+- Shapes: only what varies is dynamic. The batch and sequence dimensions of the layers' inputs
+  (the embeddings' output, RoPE's cos/sin) are marked dynamic where they are made, so the first
+  graph already serves every row length and micro batch; everything the model fixes (head size,
+  grouped heads, the norms' eps, the attention scale) stays a constant of the graph, for inductor's
+  fixed-size fused reductions (`dynamic=True` made the hidden size a symbol and read eps and scale
+  from 0-d tensors with `.item()`). Dynamo still specialises a size of 1, so a micro batch of one row,
+  or a forward in eval mode, compiles once more. `fullgraph=True`: a graph break is an error,
+  never a silent fall back to eager, and so is passing torch._dynamo's recompile limit (8 graphs
+  per code); `compile_stats` counts graphs and breaks for the logs, and `RECOMPILE_WARNING` is
+  where crm warns first.
+- Attention: sdpa (or eager) only; `backbone.choose_attention` picks sdpa for compiled layers and
+  refuses an explicit flash_attention_2, whose transformers wrapper dynamo cannot capture whole.
 """
 from __future__ import annotations
 
@@ -24,13 +31,14 @@ import logging
 import torch
 from torch import nn
 
-from crm.models.backbone import decoder_layers
+from crm.models.backbone import COMPILABLE_ATTENTION, decoder_layers, not_compilable
 
 log = logging.getLogger(__name__)
 
 SETTINGS = ("auto", True, False)
 # Training compiles a graph for the train step, one for evaluation (inference mode), and one more
-# per size specialised at 1; past this many, shapes are varying in a way the run should know about.
+# for each with a micro batch of one row; past this many, shapes are varying in a way the run should
+# know about.
 RECOMPILE_WARNING = 4
 
 
@@ -45,6 +53,19 @@ def resolve(setting, device_type: str) -> bool:
     if setting in (True, False):
         return setting
     raise ValueError(f"compile={setting!r}: expected auto, true or false")
+
+
+def decide(setting, device_type: str) -> bool:
+    """Whether to compile for `device_type`: `resolve`, then where inductor cannot build there,
+    compile=true is refused (ValueError, one line) and auto stays eager with a warning."""
+    wanted = resolve(setting, device_type)
+    reason = why_not_compilable(device_type) if wanted else None
+    if reason and setting is True:
+        raise ValueError(f"compile=true on {device_type}: {reason}; set compile=false (or auto)")
+    if reason:
+        log.warning("compile=auto: decoder layers stay eager on %s: %s", device_type, reason)
+        return False
+    return wanted
 
 
 def why_not_compilable(device_type: str) -> str | None:
@@ -69,17 +90,45 @@ def why_not_compilable(device_type: str) -> str | None:
     return None
 
 
-def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
+def compile_layers(model: nn.Module, backend="inductor") -> int:
     """Compiles each decoder layer of `model` (a Qwen3 sequence classifier) in place; returns how many.
 
     `backend="aot_eager"` traces and runs the same graphs without generating code (a fast check of
-    capture, guards and autograd).
+    capture, guards and autograd); a callable backend receives each captured graph.
     """
+    attention = model.config._attn_implementation
+    if attention not in COMPILABLE_ATTENTION:
+        raise ValueError(not_compilable(attention))
+    mark_dynamic_dimensions(model)
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(backend=backend, fullgraph=True, dynamic=True)
-    log.info("compiled %d decoder layers (torch.compile, %s, dynamic shapes)", len(layers), backend)
+        # dynamic=None: the dimensions marked dynamic are symbols, everything else a constant
+        layer.compile(backend=backend, fullgraph=True)
+    log.info("compiled %d decoder layers (torch.compile, %s, batch and sequence dynamic, %s attention)",
+             len(layers), getattr(backend, "__name__", backend), attention)
     return len(layers)
+
+
+def mark_dynamic_dimensions(model: nn.Module) -> None:
+    """Marks batch and sequence dynamic on what the decoder layers receive: the embeddings' output
+    (batch, sequence, hidden) and RoPE's cos and sin (batch or 1, sequence, head size).
+
+    Marked where they are made (forward hooks on the eager modules that make them): a mark on a
+    tensor is read when a graph is compiled for it, and inside the compiled layer it is too late.
+    The next layers' inputs, outputs of the compiled graph, match the dynamic graph's guards without
+    a mark. `maybe_mark_dynamic`: a dimension of size 1 is specialised, not an error.
+    """
+    backbone = model.model
+    if getattr(backbone, "_crm_dynamic_marks", False):
+        return
+
+    def mark(module, args, output):
+        for tensor in output if isinstance(output, tuple) else (output,):
+            torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
+
+    backbone.embed_tokens.register_forward_hook(mark)
+    backbone.rotary_emb.register_forward_hook(mark)
+    backbone._crm_dynamic_marks = True
 
 
 def compile_stats() -> dict:

@@ -17,7 +17,7 @@ class ModelConfig:
     path: str | None = None  # a local HF checkpoint dir: its architecture and weights replace `arch`
     tokenizer: str | None = None  # a local tokenizer dir (default: path)
     vocab_size: int | None = None  # the BPE vocabulary trained when there is no tokenizer (tiny models)
-    attention: str = "auto"  # auto | sdpa | eager | flash_attention_2 (backbone.choose_attention)
+    attention: str = "auto"  # auto | sdpa | eager | flash_attention_2 (eager only; backbone.choose_attention)
     dtype: str = "float32"  # parameter dtype at build, a name in DTYPES
     arch: Any = None  # a name in backbone.ARCHITECTURES, or a dict of Qwen3Config fields
 
@@ -45,15 +45,16 @@ class LossConfig:
 
 
 def build_crm(model: ModelConfig, loss: LossConfig, *, num_labels: int, pad_token_id: int | None,
-              vocab_size: int | None = None, device=None):
+              vocab_size: int | None = None, device=None, compiled: bool = False):
     """loss.kind pairwise (num_labels 2, or 3 with ties) or pointwise (one reward); `vocab_size`
     (the tokenizer's) sizes a tiny model's embeddings.
 
     device="meta" builds shapes only: from a `path`, no weight is read (see build_classifier).
+    `compiled`: the decoder layers will be compiled (backbone.choose_attention).
     """
     classifier = dict(pad_token_id=pad_token_id, path=model.path,
                       arch=model.architecture(vocab_size), attention=model.attention,
-                      dtype=DTYPES[model.dtype], device=device)
+                      dtype=DTYPES[model.dtype], device=device, compiled=compiled)
     if loss.kind == "pairwise":
         return PairwiseCRM(build_classifier(num_labels=num_labels, **classifier))
     return PointwiseCRM(build_classifier(num_labels=1, **classifier), margin=loss.margin,

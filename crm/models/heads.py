@@ -34,8 +34,22 @@ def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask:
 
 
 def head_at(model: nn.Module, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """The classification head on each row's hidden state at position `last` (its last real token)."""
-    return model.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+    """The classification head on each row's hidden state at position `last` (its last real token),
+    in float32 whatever the backbone's dtype.
+
+    A reward rounded to bfloat16 moves in steps of 0.0625 for |r| in [8, 16): P(A) = sigmoid(rA - rB)
+    would move in ~1.5% steps, a leaderboard would see ties that are not there, and the loss the
+    same rounding. So the head's weight and the picked hidden states are upcast and the product is
+    taken with autocast off. The weight is read as the backbone holds it: under FSDP2 that is the
+    bfloat16 copy gathered for compute (the master shards stay float32), a fixed rounding of the
+    function, the same for every answer, where rounding the output made answers equal. One
+    (rows x hidden) x (hidden x labels) product: free next to the backbone.
+    """
+    picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    head = model.score
+    bias = None if head.bias is None else head.bias.float()
+    with torch.autocast(picked.device.type, enabled=False):
+        return F.linear(picked.float(), head.weight.float(), bias)
 
 
 class PairwiseCRM(nn.Module):

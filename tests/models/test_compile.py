@@ -109,3 +109,16 @@ def test_a_missing_cxx_compiler_is_named():
             assert "no C++ compiler found" in compiling.why_not_compilable("cpu")
     finally:
         cpp_compiler_search.cache_clear()
+
+
+def test_where_inductor_cannot_build_compile_true_is_refused_and_auto_stays_eager(monkeypatch, caplog):
+    """crm-train and CRMScorer decide alike (crm-eval, crm-leaderboard and crm-usl load the scorer)."""
+    from scorers import tiny_scorer
+
+    monkeypatch.setattr(compiling, "why_not_compilable", lambda device: "no Triton (test)")
+    with pytest.raises(ValueError, match=r"^compile=true on cuda: no Triton \(test\); set compile=false"):
+        compiling.decide(True, "cuda")
+    assert compiling.decide("auto", "cuda") is False and "stay eager on cuda" in caplog.text
+    assert compiling.decide(False, "cuda") is False
+    with pytest.raises(ValueError, match=r"^compile=true on cpu: no Triton \(test\)"):
+        tiny_scorer("pairwise", compile=True)

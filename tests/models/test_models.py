@@ -150,3 +150,63 @@ def test_model_from_a_local_checkpoint_path(tmp_path):
     pointwise = build_crm(ModelConfig(path=str(tmp_path), attention="sdpa"), LossConfig("pointwise"),
                           num_labels=1, pad_token_id=None)
     assert isinstance(pointwise, PointwiseCRM) and pointwise.model.config.num_labels == 1
+
+
+def last_hidden(crm, batch: dict) -> torch.Tensor:
+    """The final hidden state at each row's last real token, as the head reads it."""
+    hidden = crm.model.model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+    last = batch["attention_mask"].sum(dim=1) - 1
+    return hidden[torch.arange(hidden.shape[0]), last]
+
+
+def test_rewards_closer_than_a_bfloat16_step_keep_their_order_in_a_bfloat16_model():
+    """Two answers whose rewards near 10 differ by 0.03, less than bfloat16's step there (0.0625):
+    the scorer of a bfloat16 model tells them apart, in the right order, as float64 does."""
+    from crm.core.records import Message
+    from crm.inference.scorer import CRMScorer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    crm = build_crm(ModelConfig(arch=TINY, attention="sdpa", dtype="bfloat16"), LossConfig("pointwise"),
+                    num_labels=1, pad_token_id=tok.pad_token_id, vocab_size=len(tok)).eval()
+    scorer = CRMScorer(crm.model, tok, PromptTemplate(), "pointwise", max_tokens=400,
+                       prefix_reuse=False, compile=False)
+    items = [(["concise"], "a query", (Message("assistant", text),)) for text in ("alpha", "beta reply")]
+    with torch.no_grad():
+        h = last_hidden(crm, pad_rows(scorer.encoder.pointwise_many(items), tok.pad_token_id)).double()
+        # A head weight in the span of the two hidden states, rewards 9.99 and 10.02, then bfloat16
+        w = torch.linalg.solve(h @ h.T, torch.tensor([9.99, 10.02], dtype=torch.float64)) @ h
+        crm.model.score.weight.copy_(w[None])
+        exact = h @ crm.model.score.weight[0].double()
+        assert 0.01 < float(exact[1] - exact[0]) < 0.0625
+        rounded = crm.model.score(h.bfloat16()).squeeze(-1)  # what a bfloat16 head computes
+        assert rounded[0] == rounded[1]  # the test sees what it is about
+    rewards = scorer.score_many(items)
+    assert rewards.dtype == torch.float32
+    torch.testing.assert_close(rewards.double(), exact, rtol=1e-6, atol=1e-5)
+    p_a = scorer.compare_many([(c, q, a, b) for (c, q, a), (_, _, b) in [items]])[0, 0]
+    assert float(p_a) == pytest.approx(float(torch.sigmoid(exact[0] - exact[1])), abs=1e-6)
+    assert p_a < 0.5
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "pointwise"])
+def test_the_loss_under_bfloat16_autocast_is_the_float64_head_on_its_hidden_states(kind):
+    """trainer=gpu's precision (bfloat16 autocast over float32 weights) computes the head and the
+    loss in float32: equal to the head and loss in float64 over the same hidden states."""
+    crm, tok = tiny_crm(kind)
+    with torch.no_grad():  # rewards near 10, where a bfloat16 head would round to 0.0625
+        crm.model.score.weight.mul_(200.0)
+    batch = pad_rows(encoded_pairs(tok), tok.pad_token_id)
+    batch["labels"] = torch.tensor([0, 1, 1, 0]) if kind == "pairwise" else torch.tensor([0, 0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = crm.loss(batch)["loss"]
+        hidden = last_hidden(crm, batch)
+        autocast_head = crm.model.score(hidden)  # the head as autocast alone would run it
+    logits = hidden.double() @ crm.model.score.weight.double().T
+    assert logits.abs().max() > 4 and (autocast_head.double() - logits).abs().max() > 1e-3
+    assert loss.dtype == torch.float32
+    if kind == "pairwise":
+        reference = torch.nn.functional.cross_entropy(logits, batch["labels"])
+    else:
+        reference = -torch.nn.functional.logsigmoid(logits[:2, 0] - logits[2:, 0]).mean()
+    assert float(loss.detach()) == pytest.approx(float(reference), rel=1e-6, abs=1e-6)

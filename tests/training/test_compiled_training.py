@@ -75,5 +75,9 @@ def test_compile_true_where_inductor_cannot_is_refused_at_start(demo_root, tmp_p
     with pytest.raises(ConfigError, match=r"compile=true on cpu: no C\+\+ compiler found \(test\); set "
                                           r"compile=false"):
         run_train(demo_root, tmp_path / "run", "compile=true")
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"^attention=flash_attention_2 cannot run in compiled decoder "
+                                          r"layers .*or compile=false$"):
+        run_train(demo_root, tmp_path / "flash", "compile=true", "model.attention=flash_attention_2")
     # auto on CPU does not compile at all; on a machine that cannot, auto falls back to eager
     assert run_train(demo_root, tmp_path / "auto", "compile=auto")["train"]["global_step"] == 2
