@@ -427,7 +427,13 @@ class DtypeProbe(L.Callback):
             self.seen["output"] = output.dtype
             self.seen["autocast"] = (torch.is_autocast_enabled("cpu")
                                      and torch.get_autocast_dtype("cpu"))
-        pl_module.crm.model.score.register_forward_hook(hook)
+
+        def logits(module, args, output):
+            self.seen["logits"] = output.dtype
+
+        # A linear layer of the backbone computes in the precision's dtype; the head in float32.
+        pl_module.crm.model.model.layers[-1].mlp.down_proj.register_forward_hook(hook)
+        pl_module.crm.register_forward_hook(logits)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.seen["param"] = {p.dtype for p in pl_module.parameters()}
@@ -489,7 +495,7 @@ def test_precision_dtypes_of_parameters_gradients_and_optimizer(precision, build
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(synthetic_batches(tok),
                                                                       batch_size=None))
     assert trainer.global_step == 2
-    assert probe.seen == {"param": {param}, "output": output, "autocast": autocast,
+    assert probe.seen == {"param": {param}, "output": output, "autocast": autocast, "logits": F32,
                           "grad": {param}, "exp_avg": {param}, "exp_avg_sq": {param}}
 
 
