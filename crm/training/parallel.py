@@ -23,12 +23,24 @@ from crm.models.compile import compile_layers
 log = logging.getLogger(__name__)
 
 
+SHARDINGS = ("auto", "fsdp", "hsdp")
+GRAD_SYNCS = ("step", "micro_batch")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (any strategy)
     param_dtype: str = "bfloat16"  # FSDP: dtype of the all-gathered parameters for compute
     reduce_dtype: str = "float32"  # FSDP: dtype of the gradient reduce-scatter
     reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3)
+    sharding: str = "auto"  # FSDP over all ranks (fsdp) or within each node, replicated across (hsdp)
+    grad_sync: str = "step"  # under accumulation: reduce gradients once per step, or every micro batch
+
+    def __post_init__(self):
+        for key, value, allowed in (("sharding", self.sharding, SHARDINGS),
+                                    ("grad_sync", self.grad_sync, GRAD_SYNCS)):
+            if value not in allowed:
+                raise ValueError(f"parallel.{key}={value}: expected one of {', '.join(allowed)}")
 
 
 def enable_activation_checkpointing(crm: nn.Module) -> None:
