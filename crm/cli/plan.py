@@ -316,8 +316,8 @@ def recommend(cfg: DictConfig) -> dict:
     overrides = [f"parallel.sharding={best['sharding']}", f"micro_batch_size={best['micro_batch_size']}",
                  f"parallel.activation_checkpointing={str(best['activation_checkpointing']).lower()}",
                  f"stream.max_tokens={cfg.seq_len}"]
-    return {"model": cfg.model.name, "num_nodes": nodes, "devices": devices, "seq_len": cfg.seq_len,
-            "global_batch_size": cfg.global_batch_size, "best": best, "overrides": overrides,
+    return {"model": cfg.model.name, "kind": cfg.kind, "num_nodes": nodes, "devices": devices,
+            "seq_len": cfg.seq_len, "global_batch_size": cfg.global_batch_size, "best": best, "overrides": overrides,
             "candidates": candidates}
 
 
