@@ -317,8 +317,8 @@ def recommend(cfg: DictConfig) -> dict:
                  f"parallel.activation_checkpointing={str(best['activation_checkpointing']).lower()}",
                  f"stream.max_tokens={cfg.seq_len}"]
     return {"model": cfg.model.name, "kind": cfg.kind, "num_nodes": nodes, "devices": devices,
-            "seq_len": cfg.seq_len, "global_batch_size": cfg.global_batch_size, "best": best, "overrides": overrides,
-            "candidates": candidates}
+            "seq_len": cfg.seq_len, "global_batch_size": cfg.global_batch_size, "best": best,
+            "overrides": overrides, "candidates": candidates}
 
 
 def format_plan(p: dict) -> str:
