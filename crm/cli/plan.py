@@ -19,10 +19,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
+from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.models.factory import ModelConfig
 from crm.perf.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
-from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
+from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, STRATEGIES, host_startup_plan, memory_plan
 from crm.perf.network import GRAD_SYNCS, Links, choose_sharding, network_plan, sharding_world
 
 
@@ -119,10 +120,12 @@ def accumulation(global_batch_size: int | None, micro_batch_size: int, world: in
 
 def check_settings(cfg) -> None:
     for name, value, allowed in (("kind", cfg.kind, ROWS_PER_RECORD),
+                                 ("precision", cfg.precision, PRECISIONS),
+                                 ("strategy", cfg.strategy, STRATEGIES),
                                  ("sharding", cfg.sharding, SHARDING_SETTINGS),
                                  ("grad_sync", cfg.grad_sync, GRAD_SYNCS)):
         if value not in allowed:
-            raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+            raise ConfigError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
 
 
 def evaluate(shape, cfg, *, num_nodes: int, devices: int, sharding: str, micro_batch_size: int,
@@ -152,7 +155,7 @@ def evaluate(shape, cfg, *, num_nodes: int, devices: int, sharding: str, micro_b
 def resolve_sharding(shape, cfg, num_nodes: int, devices: int) -> str:
     """`sharding` as crm-train's parallel.sharding=auto decides it (crm.perf.network.choose_sharding)."""
     if cfg.sharding == "hsdp" and (num_nodes < 2 or devices < 2):
-        raise ValueError(f"sharding=hsdp needs several nodes of several GPUs; the plan has {num_nodes} "
+        raise ConfigError(f"sharding=hsdp needs several nodes of several GPUs; the plan has {num_nodes} "
                          f"node(s) x {devices} GPU(s): use sharding=fsdp")
     if cfg.sharding != "auto":
         return cfg.sharding
@@ -171,7 +174,7 @@ def plan(cfg: DictConfig) -> dict:
     world = nodes * devices
     k = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world)
     if k is None:
-        raise ValueError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
                          f"micro_batch_size={cfg.micro_batch_size} x {world} GPUs")
     accumulating = cfg.global_batch_size is None or k > 1
     sharding = resolve_sharding(shape, cfg, nodes, devices) if cfg.strategy == "fsdp" else "fsdp"
@@ -216,10 +219,10 @@ def table(cfg: DictConfig) -> dict:
     cfg = settings(cfg)
     check_settings(cfg)
     if cfg.strategy != "fsdp":
-        raise ValueError(f"table=true plans FSDP and HSDP: strategy={cfg.strategy!r} has no network plan")
+        raise ConfigError(f"table=true plans FSDP and HSDP: strategy={cfg.strategy!r} has no network plan")
     peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
     if not peak:
-        raise ValueError(f"gpu={cfg.gpu!r} has no known peak: set peak_tflops=... for a table of MFU")
+        raise ConfigError(f"gpu={cfg.gpu!r} has no known peak: set peak_tflops=... for a table of MFU")
     devices, rows = int(cfg.trainer.devices), []
     for name in cfg.table_models:
         shape = ModelShape.from_arch(name, num_labels=1 if cfg.kind == "pointwise" else 2)
@@ -273,10 +276,10 @@ def recommend(cfg: DictConfig) -> dict:
     cfg = settings(cfg)
     check_settings(cfg)
     if cfg.strategy != "fsdp":
-        raise ValueError(f"recommend=true plans FSDP and HSDP: strategy={cfg.strategy!r}")
+        raise ConfigError(f"recommend=true plans FSDP and HSDP: strategy={cfg.strategy!r}")
     peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
     if not peak:
-        raise ValueError(f"gpu={cfg.gpu!r} has no known peak: set peak_tflops=...")
+        raise ConfigError(f"gpu={cfg.gpu!r} has no known peak: set peak_tflops=...")
     shape = model_shape(cfg.model, cfg.kind)
     nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
     world = nodes * devices
@@ -289,7 +292,7 @@ def recommend(cfg: DictConfig) -> dict:
         micros = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= cfg.max_micro_batch_size]
     else:
         if cfg.global_batch_size % world:
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} cannot be split over {world} GPUs")
+            raise ConfigError(f"global_batch_size={cfg.global_batch_size} cannot be split over {world} GPUs")
         share = cfg.global_batch_size // world
         micros = [m for m in range(1, min(share, cfg.max_micro_batch_size) + 1) if share % m == 0]
     candidates = []
@@ -307,7 +310,7 @@ def recommend(cfg: DictConfig) -> dict:
                                        "step_seconds": e["network"]["step_seconds"],
                                        "memory_gib": e["memory"]["total_gib"]})
     if not candidates:
-        raise ValueError(f"nothing fits {cfg.model.name} with {cfg.seq_len}-token rows on {nodes} node(s) x "
+        raise ConfigError(f"nothing fits {cfg.model.name} with {cfg.seq_len}-token rows on {nodes} node(s) x "
                          f"{devices} GPUs of {cfg.gpu_memory_gib:g} GiB, even at micro batch 1 with "
                          "checkpointing: shorten the rows (seq_len) or add GPUs")
     best_mfu = max(c["mfu"] for c in candidates)
