@@ -273,8 +273,11 @@ def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
     _, held = run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=128")
     assert not alone["memory"]["accumulating"] and held["memory"]["accumulating"]
     assert alone["memory"]["total_gib"] < held["memory"]["total_gib"]
-    with pytest.raises(ValueError, match="global_batch_size=100 is not a multiple of micro_batch_size=8"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # a one-line error, exit 2
         run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=100")
+    assert stop.value.code == 2
+    assert "global_batch_size=100 is not a multiple of micro_batch_size=8" in capsys.readouterr().err
 
 
 def test_crm_plan_console_script_is_installed():
