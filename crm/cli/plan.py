@@ -1,9 +1,12 @@
-"""crm-plan: per-GPU memory and FLOPs plan of a model size on a cluster shape (plan.json).
+"""crm-plan: per-GPU memory, FLOPs and network plan of a model size on a cluster shape (plan.json).
 
     crm-plan model=qwen3-8b [trainer.num_nodes=2 trainer.devices=8 seq_len=8192 ...]
+    crm-plan table=true [global_batch_size=512 ...]     # step time and MFU, 1-64 nodes, every size
+    crm-plan recommend=true model=qwen3-8b trainer.num_nodes=4 global_batch_size=256
+                                                       # the crm-train overrides that fit, fastest
 
 The model is built on the meta device (shapes, no weights): nothing needs a GPU. The formulas and
-their assumptions are in crm/perf/flops.py and crm/perf/memory.py.
+their assumptions are in crm/perf/flops.py, crm/perf/memory.py and crm/perf/network.py.
 """
 from __future__ import annotations
 
@@ -16,16 +19,27 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
+from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.models.factory import ModelConfig
-from crm.perf.flops import ModelShape, flops_per_token, peak_flops, tokens_per_s_at
-from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, host_startup_plan, memory_plan
+from crm.perf.flops import ModelShape, flops_per_token, model_shape, peak_flops, tokens_per_s_at
+from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, STRATEGIES, host_startup_plan, memory_plan
+from crm.perf.network import GRAD_SYNCS, Links, choose_sharding, network_plan, sharding_world
 
 
 @dataclass
 class ClusterShape:
     num_nodes: int = MISSING
     devices: int = MISSING
+
+
+@dataclass
+class NetworkConfig:
+    intra_node_busbw_gbs: float = MISSING
+    inter_node_busbw_gbs: float = MISSING
+    intra_node_latency_us: float = MISSING
+    inter_node_latency_us: float = MISSING
+    compute_mfu: float = MISSING
 
 
 @dataclass
@@ -50,20 +64,17 @@ class PlanConfig:
     peak_tflops: float | None = MISSING
     mfu: float = MISSING
     kind: str = MISSING
+    sharding: str = MISSING
+    grad_sync: str = MISSING
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    table: bool = MISSING
+    table_nodes: list[int] = MISSING
+    table_models: list[str] = MISSING
+    recommend: bool = MISSING
+    max_micro_batch_size: int = MISSING
 
 
 register_schema("plan", PlanConfig)
-
-
-def model_shape(model: ModelConfig, kind: str) -> ModelShape:
-    """The shape of the model group's classifier: from model.path's config.json, else model.arch."""
-    num_labels = 1 if kind == "pointwise" else 2
-    if model.path:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model.path, num_labels=num_labels, local_files_only=True)
-        return ModelShape.from_config(config)
-    return ModelShape.from_arch(model.architecture(model.vocab_size), num_labels=num_labels)
 
 
 def checkpoint_bytes(model: ModelConfig) -> int:
@@ -77,41 +88,104 @@ def checkpoint_bytes(model: ModelConfig) -> int:
     return 2 if dtype is None else dtype.itemsize
 
 
-def plan(cfg: DictConfig) -> dict:
-    cfg = settings(cfg)
-    if cfg.kind not in ROWS_PER_RECORD:
-        raise ValueError(f"kind={cfg.kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
-    shape = model_shape(cfg.model, cfg.kind)
-    world = int(cfg.trainer.num_nodes) * int(cfg.trainer.devices)
-    accumulating = True
-    if cfg.global_batch_size is not None:
-        per_step = cfg.micro_batch_size * world
-        if cfg.global_batch_size % per_step:
-            raise ValueError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
-                             f"micro_batch_size={cfg.micro_batch_size} x {world} GPUs")
-        accumulating = cfg.global_batch_size > per_step
-    memory = memory_plan(shape, world=world, seq_len=cfg.seq_len,
-                         micro_batch_size=cfg.micro_batch_size, kind=cfg.kind,
+SHARDING_SETTINGS = ("auto", "fsdp", "hsdp")
+
+
+def links(cfg) -> Links:
+    n = cfg.network
+    return Links(intra_node_busbw_gbs=n.intra_node_busbw_gbs, inter_node_busbw_gbs=n.inter_node_busbw_gbs,
+                 intra_node_latency_s=n.intra_node_latency_us * 1e-6,
+                 inter_node_latency_s=n.inter_node_latency_us * 1e-6)
+
+
+def accumulation(global_batch_size: int | None, micro_batch_size: int, world: int) -> int | None:
+    """Micro steps per optimizer step: global / (micro x world) when whole (None when not); one
+    micro step per optimizer step when no global batch is given."""
+    if global_batch_size is None:
+        return 1
+    per_step = micro_batch_size * world
+    return global_batch_size // per_step if global_batch_size % per_step == 0 else None
+
+
+def check_settings(cfg) -> None:
+    for name, value, allowed in (("kind", cfg.kind, ROWS_PER_RECORD),
+                                 ("precision", cfg.precision, PRECISIONS),
+                                 ("strategy", cfg.strategy, STRATEGIES),
+                                 ("sharding", cfg.sharding, SHARDING_SETTINGS),
+                                 ("grad_sync", cfg.grad_sync, GRAD_SYNCS)):
+        if value not in allowed:
+            raise ConfigError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+
+
+def evaluate(shape, cfg, *, num_nodes: int, devices: int, sharding: str, micro_batch_size: int,
+             activation_checkpointing: bool, k: int, accumulating: bool, peak: float | None) -> dict:
+    """The memory plan (states over `sharding`'s GPUs) and the network plan of one setting."""
+    world = num_nodes * devices
+    memory = memory_plan(shape, world=sharding_world(sharding, num_nodes, devices) if cfg.strategy == "fsdp"
+                         else world, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, kind=cfg.kind,
                          precision=cfg.precision, strategy=cfg.strategy,
-                         activation_checkpointing=cfg.activation_checkpointing,
-                         compiled=cfg.compile,
+                         activation_checkpointing=activation_checkpointing, compiled=cfg.compile,
                          attention="eager" if cfg.model.attention == "eager" else "sdpa",
                          accumulating=accumulating,
-                         gpu_memory_gib=cfg.gpu_memory_gib,
-                         headroom_fraction=cfg.headroom_fraction, reserved_gib=cfg.reserved_gib)
-    host = host_startup_plan(shape, world=world, devices=int(cfg.trainer.devices),
+                         unsharded_grads=(cfg.strategy == "fsdp" and sharding == "fsdp"
+                                          and cfg.grad_sync == "step" and world > 1),
+                         gpu_memory_gib=cfg.gpu_memory_gib, headroom_fraction=cfg.headroom_fraction,
+                         reserved_gib=cfg.reserved_gib)
+    network = None
+    if cfg.strategy == "fsdp" and peak:
+        network = network_plan(shape, num_nodes=num_nodes, devices=devices, seq_len=cfg.seq_len,
+                               micro_batch_size=micro_batch_size, accumulation=k, kind=cfg.kind,
+                               sharding=sharding, grad_sync=cfg.grad_sync,
+                               activation_checkpointing=activation_checkpointing,
+                               compute_mfu=cfg.network.compute_mfu, peak_flops=peak, links=links(cfg))
+    return {"memory": memory, "network": network}
+
+
+def resolve_sharding(shape, cfg, num_nodes: int, devices: int) -> str:
+    """`sharding` as crm-train's parallel.sharding=auto decides it (crm.perf.network.choose_sharding)."""
+    if cfg.sharding == "hsdp" and (num_nodes < 2 or devices < 2):
+        raise ConfigError(f"sharding=hsdp needs several nodes of several GPUs; the plan has {num_nodes} "
+                         f"node(s) x {devices} GPU(s): use sharding=fsdp")
+    if cfg.sharding != "auto":
+        return cfg.sharding
+    return choose_sharding(shape, num_nodes=num_nodes, devices=devices, seq_len=cfg.seq_len,
+                           micro_batch_size=cfg.micro_batch_size, kind=cfg.kind, precision=cfg.precision,
+                           activation_checkpointing=cfg.activation_checkpointing, compiled=cfg.compile,
+                           gpu_memory_gib=cfg.gpu_memory_gib, headroom_fraction=cfg.headroom_fraction,
+                           reserved_gib=cfg.reserved_gib)
+
+
+def plan(cfg: DictConfig) -> dict:
+    cfg = settings(cfg)
+    check_settings(cfg)
+    shape = model_shape(cfg.model, cfg.kind)
+    nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
+    world = nodes * devices
+    k = accumulation(cfg.global_batch_size, cfg.micro_batch_size, world)
+    if k is None:
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
+                         f"micro_batch_size={cfg.micro_batch_size} x {world} GPUs")
+    accumulating = cfg.global_batch_size is None or k > 1
+    sharding = resolve_sharding(shape, cfg, nodes, devices) if cfg.strategy == "fsdp" else "fsdp"
+    peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
+    planned = evaluate(shape, cfg, num_nodes=nodes, devices=devices, sharding=sharding,
+                       micro_batch_size=cfg.micro_batch_size,
+                       activation_checkpointing=cfg.activation_checkpointing, k=k,
+                       accumulating=accumulating, peak=peak)
+    host = host_startup_plan(shape, world=world, devices=devices,
                              checkpoint_bytes=checkpoint_bytes(cfg.model),
                              param_bytes=PRECISIONS[cfg.precision].param)
     train, forward = (flops_per_token(shape, cfg.seq_len, training=t) for t in (True, False))
-    peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
     per_gpu = tokens_per_s_at(cfg.mfu, train, peak)
     tokens_per_record = cfg.seq_len * ROWS_PER_RECORD[cfg.kind]
     return {
         "model": {"name": cfg.model.name, **vars(shape)},
         "kind": cfg.kind,
-        "num_nodes": int(cfg.trainer.num_nodes),
-        "devices": int(cfg.trainer.devices),
-        "memory": memory,
+        "num_nodes": nodes,
+        "devices": devices,
+        "sharding": sharding if cfg.strategy == "fsdp" else None,
+        "memory": planned["memory"],
+        "network": planned["network"],
         "host_startup": {**host, "pretrained": bool(cfg.model.path)},
         "flops": {
             "formula": "6 N + 12 L H d S (forward: a third); N non-embedding, S = seq_len",
@@ -127,6 +201,118 @@ def plan(cfg: DictConfig) -> dict:
     }
 
 
+def table(cfg: DictConfig) -> dict:
+    """Predicted step time and MFU of every size in `table_models` on `table_nodes` nodes of
+    trainer.devices GPUs, under FSDP and HSDP, at the configured row length, micro batch and
+    checkpointing; accumulation from global_batch_size (a node count it does not divide: no row)."""
+    cfg = settings(cfg)
+    check_settings(cfg)
+    if cfg.strategy != "fsdp":
+        raise ConfigError(f"table=true plans FSDP and HSDP: strategy={cfg.strategy!r} has no network plan")
+    peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
+    if not peak:
+        raise ConfigError(f"gpu={cfg.gpu!r} has no known peak: set peak_tflops=... for a table of MFU")
+    devices, rows = int(cfg.trainer.devices), []
+    for name in cfg.table_models:
+        shape = ModelShape.from_arch(name, num_labels=1 if cfg.kind == "pointwise" else 2)
+        for nodes in cfg.table_nodes:
+            k = accumulation(cfg.global_batch_size, cfg.micro_batch_size, nodes * devices)
+            row = {"model": name, "num_nodes": nodes, "accumulation": k}
+            for sharding in ("fsdp", "hsdp"):
+                if k is None or (sharding == "hsdp" and (nodes < 2 or devices < 2)):
+                    row[sharding] = None
+                    continue
+                e = evaluate(shape, cfg, num_nodes=nodes, devices=devices, sharding=sharding,
+                             micro_batch_size=cfg.micro_batch_size,
+                             activation_checkpointing=cfg.activation_checkpointing, k=k,
+                             accumulating=cfg.global_batch_size is None or k > 1, peak=peak)
+                net = e["network"]
+                row[sharding] = {"step_seconds": net["step_seconds"], "mfu": net["mfu"],
+                                 "exposed_seconds": net["exposed_seconds_per_step"],
+                                 "memory_gib": e["memory"]["total_gib"], "fits": e["memory"]["fits"]}
+            rows.append(row)
+    return {"devices": devices, "seq_len": cfg.seq_len, "micro_batch_size": cfg.micro_batch_size,
+            "global_batch_size": cfg.global_batch_size, "kind": cfg.kind, "grad_sync": cfg.grad_sync,
+            "activation_checkpointing": cfg.activation_checkpointing, "compiled": cfg.compile,
+            "network": vars(cfg.network), "gpu": cfg.gpu, "peak_flops_per_gpu": peak, "rows": rows}
+
+
+def format_table(t: dict) -> str:
+    def cell(x):
+        if x is None:
+            return f"{'-':>22}"
+        return f"{x['step_seconds']:>8.3f} s {x['mfu']:>5.3f}{'' if x['fits'] else ' NOFIT':>6}"
+
+    n = t["network"]
+    lines = [f"crm-plan table: {t['devices']} GPUs per node, {t['kind']} rows of {t['seq_len']} tokens, "
+             f"micro batch {t['micro_batch_size']}, global batch {t['global_batch_size']}, grad_sync "
+             f"{t['grad_sync']}, checkpointing {'on' if t['activation_checkpointing'] else 'off'}; "
+             f"NVLink {n['intra_node_busbw_gbs']:g} GB/s, network {n['inter_node_busbw_gbs']:g} GB/s per "
+             f"GPU, compute at {n['compute_mfu']:g} MFU of {t['peak_flops_per_gpu'] / 1e12:g} TFLOP/s",
+             f"{'model':<12}{'nodes':>6}{'accum':>6}{'FSDP step, MFU':>22}{'HSDP step, MFU':>22}"]
+    for r in t["rows"]:
+        k = "-" if r["accumulation"] is None else r["accumulation"]
+        lines.append(f"{r['model']:<12}{r['num_nodes']:>6}{k:>6}{cell(r['fsdp'])}{cell(r['hsdp'])}")
+    return "\n".join(lines)
+
+
+def recommend(cfg: DictConfig) -> dict:
+    """The crm-train overrides that fit and are predicted fastest on this cluster shape: sharding
+    (fsdp, or hsdp on several nodes of several GPUs), micro batch (those that divide a GPU's share
+    of global_batch_size, at most max_micro_batch_size) and activation checkpointing. Within 2% of
+    the fastest, HSDP is preferred: it sends k times fewer bytes across nodes, so it loses least
+    where the network is slower than planned."""
+    cfg = settings(cfg)
+    check_settings(cfg)
+    if cfg.strategy != "fsdp":
+        raise ConfigError(f"recommend=true plans FSDP and HSDP: strategy={cfg.strategy!r}")
+    peak = peak_flops(cfg.gpu, None if cfg.peak_tflops is None else cfg.peak_tflops * 1e12)
+    if not peak:
+        raise ConfigError(f"gpu={cfg.gpu!r} has no known peak: set peak_tflops=...")
+    shape = model_shape(cfg.model, cfg.kind)
+    nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
+    world = nodes * devices
+    if cfg.sharding == "auto":
+        shardings = ["fsdp", "hsdp"] if nodes > 1 and devices > 1 else ["fsdp"]
+    else:
+        resolve_sharding(shape, cfg, nodes, devices)  # refuses hsdp on one node
+        shardings = [cfg.sharding]
+    if cfg.global_batch_size is None:
+        micros = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= cfg.max_micro_batch_size]
+    else:
+        if cfg.global_batch_size % world:
+            raise ConfigError(f"global_batch_size={cfg.global_batch_size} cannot be split over {world} GPUs")
+        share = cfg.global_batch_size // world
+        micros = [m for m in range(1, min(share, cfg.max_micro_batch_size) + 1) if share % m == 0]
+    candidates = []
+    for sharding in shardings:
+        for micro in micros:
+            k = accumulation(cfg.global_batch_size, micro, world)
+            for ckpt in (False, True):
+                e = evaluate(shape, cfg, num_nodes=nodes, devices=devices, sharding=sharding,
+                             micro_batch_size=micro, activation_checkpointing=ckpt, k=k,
+                             accumulating=cfg.global_batch_size is None or k > 1, peak=peak)
+                if e["memory"]["fits"]:
+                    candidates.append({"sharding": sharding, "micro_batch_size": micro,
+                                       "activation_checkpointing": ckpt, "accumulation": k,
+                                       "mfu": e["network"]["mfu"],
+                                       "step_seconds": e["network"]["step_seconds"],
+                                       "memory_gib": e["memory"]["total_gib"]})
+    if not candidates:
+        raise ConfigError(f"nothing fits {cfg.model.name} with {cfg.seq_len}-token rows on {nodes} node(s) x "
+                         f"{devices} GPUs of {cfg.gpu_memory_gib:g} GiB, even at micro batch 1 with "
+                         "checkpointing: shorten the rows (seq_len) or add GPUs")
+    best_mfu = max(c["mfu"] for c in candidates)
+    near = [c for c in candidates if c["mfu"] >= 0.98 * best_mfu]
+    best = max(near, key=lambda c: (c["sharding"] == "hsdp", c["mfu"]))
+    overrides = [f"parallel.sharding={best['sharding']}", f"micro_batch_size={best['micro_batch_size']}",
+                 f"parallel.activation_checkpointing={str(best['activation_checkpointing']).lower()}",
+                 f"stream.max_tokens={cfg.seq_len}"]
+    return {"model": cfg.model.name, "kind": cfg.kind, "num_nodes": nodes, "devices": devices,
+            "seq_len": cfg.seq_len, "global_batch_size": cfg.global_batch_size, "best": best,
+            "overrides": overrides, "candidates": candidates}
+
+
 def format_plan(p: dict) -> str:
     m, mem, fl = p["model"], p["memory"], p["flops"]
     b, world = mem["bytes_per_param"], mem["world"]
@@ -136,6 +322,8 @@ def format_plan(p: dict) -> str:
     pd, gd, od = dtype[b["param"]], dtype[b["grad"]], dtype[b["optimizer"] // 2]
     fsdp = mem["strategy"] == "fsdp"
     sharded = f", sharded / {world}" if fsdp else ", whole on each GPU"
+    if p["sharding"] == "hsdp":
+        sharded += " (HSDP: one node)"
     in_flight = ("unsharded in flight (root + 2 layers, 1 grad)" if fsdp
                  else "bf16 weight copies (autocast)")
     rows = [
@@ -143,6 +331,8 @@ def format_plan(p: dict) -> str:
         (f"gradients ({gd}{sharded})", mem["grads_gib"], ""),
         (f"optimizer (AdamW 2 x {od}{sharded})", mem["optimizer_gib"], ""),
         (in_flight, mem["unsharded_gib"], ""),
+        *([("gradients held unsharded (grad_sync=step)", mem["accumulated_grads_gib"], "")]
+          if mem["accumulated_grads_gib"] else []),
         ("activations, checkpointing on", mem["activations_checkpointed_gib"], ""),
         ("activations, checkpointing off", mem["activations_full_gib"], ""),
         ("total, checkpointing on", mem["total_checkpointed_gib"],
@@ -160,7 +350,7 @@ def format_plan(p: dict) -> str:
     lines = [
         f"crm-plan: {m['name']} {p['kind']}, {p['num_nodes']} node(s) x {p['devices']} GPUs, "
         f"seq {mem['seq_len']}, micro batch {mem['micro_batch_size']} "
-        f"({mem['rows_per_micro_batch']} row(s)), {mem['precision']} {mem['strategy']}, "
+        f"({mem['rows_per_micro_batch']} row(s)), {mem['precision']} {p['sharding'] or mem['strategy']}, "
         f"checkpointing {'on' if ckpt else 'off'}, layers {'compiled' if mem['compiled'] else 'eager'}",
         f"model: {m['total_params'] / 1e9:.3f} B parameters, {m['non_embedding_params'] / 1e9:.3f} B "
         f"non-embedding; {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads x "
@@ -190,17 +380,51 @@ def format_plan(p: dict) -> str:
         lines.append(
             f"at {fl['mfu']:.0%} MFU on {fl['gpu']} ({fl['peak_flops_per_gpu'] / 1e12:g} TFLOP/s): "
             f"{fl['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {fl['tokens_per_s']:,.0f} tokens/s "
-            f"on {world} GPUs ({fl['records_per_s']:,.1f} full-length records/s)")
+            f"on {p['num_nodes'] * p['devices']} GPUs ({fl['records_per_s']:,.1f} full-length records/s)")
+    net = p["network"]
+    if net is not None:
+        lk = net["links"]
+        rep = net["replicate_group"]
+        lines += [
+            "",
+            f"network ({net['sharding']}, grad_sync {net['grad_sync']}, {net['accumulation']} micro step(s) "
+            f"per optimizer step; crm/perf/network.py): shard group {net['shard_group']['ranks']} GPUs at "
+            f"{net['shard_group']['busbw_gbs']:g} GB/s"
+            + (f", replicate group {rep['ranks']} nodes at {rep['busbw_gbs']:g} GB/s" if rep else "")
+            + f" (NVLink {lk['intra_node_busbw_gbs']:g}, network {lk['inter_node_busbw_gbs']:g} GB/s "
+            "per GPU)",
+            f"{'collective, per GPU':<46}{'GB each':>8}{'x':>4}{'s each':>9}",
+            *(f"{c['name']:<46}{c['per_gpu_bytes'] / 1e9:>8.2f}{c['count']:>4}{c['seconds']:>9.4f}"
+              for c in net["collectives"]),
+            f"compute per micro step {net['compute_seconds_per_micro_step']:.3f} s at "
+            f"{net['compute_mfu']:g} MFU; exposed communication {net['exposed_seconds_per_step']:.4f} s "
+            f"per step; predicted step {net['step_seconds']:.3f} s, MFU {net['mfu']:.3f}",
+        ]
     return "\n".join(lines)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="plan")
 @one_line_config_errors
 def main(cfg: DictConfig) -> None:
-    result = plan(cfg)
     path = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
-    write_json(path, result)
-    print(format_plan(result))
+    if cfg.table:
+        result = table(cfg)
+        write_json(path, result)
+        print(format_table(result))
+    elif cfg.recommend:
+        result = recommend(cfg)
+        write_json(path, result)
+        best = result["best"]
+        print(f"crm-plan: {result['model']} on {result['num_nodes']} node(s) x {result['devices']} GPUs, "
+              f"{result['seq_len']}-token rows: {len(result['candidates'])} setting(s) fit; fastest: "
+              f"predicted MFU {best['mfu']:.3f}, step {best['step_seconds']:.3f} s, "
+              f"{best['memory_gib']:.1f} GiB")
+        print("recommend: " + " ".join(result["overrides"]))  # launch/train.sbatch reads this line
+        return
+    else:
+        result = plan(cfg)
+        write_json(path, result)
+        print(format_plan(result))
     print(f"plan: {path}")
 
 

@@ -4,6 +4,7 @@ below: each group and section is the dataclass of the code that reads it (crm/cl
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -164,7 +165,7 @@ def train(cfg: DictConfig) -> dict | None:
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
                                step_batches=accum)
     parallel = resolve_sharding(run.parallel, run.trainer,
-                                partial(fits_in_a_node, run, len(tokenizer), micro_batch, compile))
+                                partial(choose_sharding, run, len(tokenizer), micro_batch, compile))
     run_config = OmegaConf.to_container(cfg, resolve=True)
     run_config["parallel"]["sharding"] = parallel.sharding  # what ran, not "auto"
     module = CRMModule(partial(build_crm, run.model, run.loss,
@@ -255,30 +256,21 @@ def check_config(cfg: DictConfig) -> None:
                           "`crm-data shard FILE.jsonl DIR`)")
 
 
-def fits_in_a_node(run: TrainConfig, vocab_size: int, micro_batch: int, compiled: bool,
-                   ranks_per_node: int) -> bool:
-    """Whether the training states sharded over one node's GPUs fit them, by crm.perf.memory's
-    plan at the run's row length and micro batch (HSDP's condition); ranks on CPUs hold what they
-    must (no device memory to plan against)."""
-    if device_type(run.trainer) != "cuda":
-        return True
-    from crm.perf.flops import ModelShape
-    from crm.perf.memory import memory_plan
+def choose_sharding(run: TrainConfig, vocab_size: int, micro_batch: int, compiled: bool,
+                    num_nodes: int, devices: int) -> str:
+    """parallel.sharding=auto's choice for this run (crm.perf.network.choose_sharding): the memory
+    plan at the run's row length and micro batch against this GPU; CPU ranks have no device
+    memory to plan against."""
+    from crm.perf import network
+    from crm.perf.flops import model_shape
 
-    num_labels = 1 if run.loss.kind == "pointwise" else 2
-    if run.model.path:
-        from transformers import AutoConfig
-
-        shape = ModelShape.from_config(AutoConfig.from_pretrained(
-            run.model.path, num_labels=num_labels, local_files_only=True))
-    else:
-        shape = ModelShape.from_arch(run.model.architecture(vocab_size), num_labels=num_labels)
-    gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
-    plan = memory_plan(shape, world=ranks_per_node, seq_len=run.stream.max_tokens,
-                       micro_batch_size=micro_batch, kind=run.loss.kind, strategy="fsdp",
-                       activation_checkpointing=run.parallel.activation_checkpointing,
-                       compiled=compiled, gpu_memory_gib=gib)
-    return plan["fits"]
+    cuda = device_type(run.trainer) == "cuda"
+    gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if cuda else math.inf
+    return network.choose_sharding(
+        model_shape(run.model, run.loss.kind, vocab_size), num_nodes=num_nodes, devices=devices,
+        seq_len=run.stream.max_tokens, micro_batch_size=micro_batch, kind=run.loss.kind,
+        activation_checkpointing=run.parallel.activation_checkpointing, compiled=compiled,
+        gpu_memory_gib=gib)
 
 
 def compile_layers(run: TrainConfig) -> bool:

@@ -147,3 +147,15 @@ def tokens_per_s_at(mfu_target: float, flops_per_token: float, peak: float | Non
     if not peak:
         return None
     return mfu_target * peak / flops_per_token
+
+
+def model_shape(model, kind: str, vocab_size: int | None = None) -> ModelShape:
+    """The shape of a model group's classifier (a crm.models.factory.ModelConfig): from model.path's
+    config.json, else model.arch with `vocab_size` (a trained tokenizer's) or the group's own."""
+    num_labels = 1 if kind == "pointwise" else 2
+    if model.path:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model.path, num_labels=num_labels, local_files_only=True)
+        return ModelShape.from_config(config)
+    return ModelShape.from_arch(model.architecture(vocab_size or model.vocab_size), num_labels=num_labels)

@@ -17,6 +17,10 @@ keeps the root group (embeddings, final norm, head) gathered between forward and
 reduce-scatter. Autocast (bf16-mixed without FSDP) keeps a bf16 copy of every matmul weight from
 the forward to its backward, like an activation: 2 bytes per decoder-layer parameter.
 
+Flat FSDP with grad_sync=step under accumulation skips the reduce-scatter on all micro batches but
+the last, so every GPU holds the whole model's gradients unsharded in the reduce dtype until then:
+P x 4 bytes more (bf16-mixed), `accumulated_grads` (HSDP reduce-scatters every micro batch: none).
+
 Gradients and activations are not all there at once. Backward frees each layer's activations as
 it fills that layer's gradients, so with one micro batch per optimizer step the peak is the larger
 of the two (all activations at its start, all gradients at its end; the optimizer frees the
@@ -137,12 +141,15 @@ def activation_bytes(shape: ModelShape, *, seq_len: int, rows: int, mode: str, c
 def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size: int = 1,
                 kind: str = "pairwise", precision: str = "bf16-mixed", strategy: str = "fsdp",
                 activation_checkpointing: bool = True, compiled: bool = False,
-                attention: str = "sdpa", accumulating: bool = True, gpu_memory_gib: float = 80.0,
-                headroom_fraction: float = 0.10, reserved_gib: float = 2.0) -> dict:
+                attention: str = "sdpa", accumulating: bool = True, unsharded_grads: bool = False,
+                gpu_memory_gib: float = 80.0, headroom_fraction: float = 0.10,
+                reserved_gib: float = 2.0) -> dict:
     """The per-GPU plan: GiB per term, totals with and without checkpointing, and `fits`.
 
     `total_gib` and `fits` are for the configured `activation_checkpointing`; the `_checkpointed`
-    and `_full` variants give both settings.
+    and `_full` variants give both settings. `world` is the GPUs the states shard over (one node's
+    under HSDP); `unsharded_grads` counts flat FSDP's gradients held whole, in the reduce dtype,
+    across an accumulation under grad_sync=step (crm.perf.network).
     """
     for name, value, allowed in (("precision", precision, PRECISIONS), ("kind", kind, ROWS_PER_RECORD),
                                  ("strategy", strategy, STRATEGIES)):
@@ -169,12 +176,13 @@ def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size
         "optimizer": P * b.optimizer / shards,
         "unsharded": in_flight,
         "weight_copies": copies,
+        "accumulated_grads": P * b.grad if unsharded_grads and accumulating else 0,
         "activations_checkpointed": activations[True],
         "activations_full": activations[False],
     }
     gib = {name: value / GIB for name, value in gib.items()}
     states = gib["params"] + gib["grads"] + gib["optimizer"]
-    fixed = gib["params"] + gib["optimizer"] + gib["unsharded"]
+    fixed = gib["params"] + gib["optimizer"] + gib["unsharded"] + gib["accumulated_grads"]
 
     def peak(activations: float) -> float:
         kept = activations + gib["weight_copies"]

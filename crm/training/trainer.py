@@ -64,16 +64,14 @@ def batch_plan(global_batch: int, micro_batch: int | str, world: int,
 
 
 def resolve_sharding(parallel: ParallelConfig, trainer: dict,
-                     fits_in_a_node: Callable[[int], bool]) -> ParallelConfig:
-    """`parallel` with `sharding: auto` decided: hsdp when the run spans several nodes of several
-    ranks under FSDP and `fits_in_a_node(ranks per node)` says one node's GPUs hold the states
-    sharded over them; else fsdp."""
+                     choose: Callable[[int, int], str]) -> ParallelConfig:
+    """`parallel` with `sharding: auto` decided: under FSDP, `choose(nodes, ranks per node)`
+    (crm.perf.network.choose_sharding's rule); fsdp for any other strategy."""
     if parallel.sharding != "auto":
         return parallel
     nodes = int(trainer.get("num_nodes", 1))
     per_node = world_size(trainer) // nodes
-    hsdp = trainer.get("strategy") == "fsdp" and nodes > 1 and per_node > 1 and fits_in_a_node(per_node)
-    choice = "hsdp" if hsdp else "fsdp"
+    choice = choose(nodes, per_node) if trainer.get("strategy") == "fsdp" else "fsdp"
     log.info("parallel.sharding=auto: %s (%d node(s) x %d rank(s))", choice, nodes, per_node)
     return replace(parallel, sharding=choice)
 

@@ -132,7 +132,8 @@ class FakeSlurm:
             CRM_VENV=str(self.venv), CRM_ROOT=str(self.root), SLURM_SUBMIT_DIR=str(self.submit),
             SLURM_JOB_ID=str(job_id), SLURM_JOB_NAME="crm-train", SLURM_NNODES=str(nodes),
             SLURM_NTASKS_PER_NODE=str(tasks_per_node), SLURM_JOB_NODELIST="node-[a-b]",
-            SLURM_CPUS_PER_TASK="8", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+            SLURM_CPUS_PER_TASK="8", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+            CRM_PLAN="0")  # crm-plan takes seconds: the one test of the plan's step turns it on
 
     @property
     def run_dir(self) -> Path:
@@ -203,7 +204,8 @@ def test_train_sbatch_asks_for_what_preemption_and_fsdp_need():
 EDIT_LINES = {
     TRAIN_SBATCH: ["--partition", "--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task",
                    "--mem", "--time", "--signal", "--output", "CRM_VENV=", "CRM_ROOT=", "name=",
-                   "model.path=", "data.path=", "global_batch_size=", "stream.num_workers="],
+                   "model.path=", "data.path=", "global_batch_size=", "stream.num_workers=",
+                   "stream.max_tokens=", "gpu_memory_gib="],
     EVAL_SBATCH: ["--partition", "--gpus-per-node", "--cpus-per-task", "--mem", "--time", "--output",
                   "CRM_VENV=", "CRM_ROOT="],
     LAUNCHER_YAML: ["partition:", "account:", "timeout_min:", "cpus_per_task:", "mem_gb:"],
@@ -236,8 +238,8 @@ def test_every_line_a_user_must_set_is_marked_edit(path):
 
 # -- 2. train.sbatch runs ---------------------------------------------------------------------------
 
-def test_train_sbatch_runs_crm_train_with_overrides_that_compose(slurm):
-    proc = slurm.run(TRAIN_SBATCH, "loss=ranking", "micro_batch_size=2")
+def test_train_sbatch_runs_crm_train_with_the_plans_overrides_and_the_users(slurm):
+    proc = slurm.run(TRAIN_SBATCH, "loss=ranking", "micro_batch_size=2", CRM_PLAN="1")
     assert proc.returncode == 0, proc.stderr
     (call,) = slurm.srun_calls()
     assert "--kill-on-bad-exit=1" in call["opts"] and "--wait=0" in call["opts"]
@@ -245,14 +247,25 @@ def test_train_sbatch_runs_crm_train_with_overrides_that_compose(slurm):
     overrides = call["argv"][1:]
     assert overrides[:3] == ["trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=8"]
     assert overrides[-2:] == ["loss=ranking", "micro_batch_size=2"]  # the user's come last: they win
+    # crm-plan planned this job's shape with the run's model, rows, global batch and the user's
+    # loss (pointwise: two rows a record), and its overrides come just before the user's
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("recommend: ")]
+    planned = line.split()[1:]
+    assert overrides[-2 - len(planned):-2] == planned
+    plan = json.loads((slurm.root / "outputs" / "plan" / str(slurm.job_id) / "plan.json").read_text())
+    assert (plan["model"], plan["kind"], plan["num_nodes"], plan["devices"], plan["seq_len"],
+            plan["global_batch_size"]) == ("qwen3-8b", "pointwise", 2, 8, 4096, 256)
+    assert "parallel.sharding=hsdp" in planned and "stream.max_tokens=4096" in planned
     cfg = compose_cfg("train", overrides)
     assert cfg.trainer.strategy == "fsdp" and cfg.trainer.num_nodes == 2 and cfg.trainer.devices == 8
     assert cfg.loss.kind == "pointwise" and cfg.micro_batch_size == 2
+    assert cfg.parallel.sharding == "hsdp" and cfg.stream.max_tokens == 4096
     assert world_size(cfg.trainer) == 16
-    # The script's own recipe: a whole accumulation on its own shape (256 = 4 x 8 x 2 x 4).
-    default = compose_cfg("train", call["argv"][1:-2])
+    # The plan's own micro batch divides a rank's share of the script's global batch.
+    default = compose_cfg("train", overrides[:-2])
+    assert default.micro_batch_size == plan["best"]["micro_batch_size"]
     assert batch_plan(default.global_batch_size, default.micro_batch_size, 16,
-                      default.max_micro_batch_size) == (4, 4)
+                      default.max_micro_batch_size)[1] == 256 // 16 // default.micro_batch_size
     assert default.model.name == "qwen3-8b" and default.data.name == "shards"
     env = call["env"]
     assert env["MASTER_ADDR"] == "node-a"  # the allocation's first node
@@ -260,6 +273,13 @@ def test_train_sbatch_runs_crm_train_with_overrides_that_compose(slurm):
     assert env["SRUN_CPUS_PER_TASK"] == "8" and env["WANDB_MODE"] == "offline"
     assert env["CRM_ROOT"] == str(slurm.root)
     assert f"run dir {slurm.run_dir}" in proc.stdout
+
+
+def test_train_sbatch_without_the_plan_runs_the_run_args_alone(slurm):
+    assert slurm.run(TRAIN_SBATCH, "loss=ranking").returncode == 0
+    overrides = slurm.srun_calls()[0]["argv"][1:]
+    assert overrides[-1] == "loss=ranking" and not any(o.startswith("parallel.sharding") for o in overrides)
+    assert compose_cfg("train", overrides).stream.max_tokens == 4096  # the real row length, not the demo's
 
 
 def test_train_sbatch_leaves_a_user_wandb_mode_alone(slurm):

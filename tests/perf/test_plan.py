@@ -18,6 +18,7 @@ from crm.cli.plan import main as plan_main
 from crm.perf.flops import (PEAK_FLOPS, ModelShape, flops_per_token, mfu, peak_flops,
                        tokens_per_s_at)
 from crm.perf.memory import GIB, host_startup_plan, memory_plan
+from crm.perf.network import Links, choose_sharding, network_plan
 from crm.models.backbone import build_classifier
 
 # A Qwen3 small enough to count by hand: h 64, 2 layers, 4 heads x 16 (q width 64), 2 kv heads
@@ -256,7 +257,8 @@ def test_crm_plan_writes_plan_json_for_every_model_size(model, tmp_path, capsys)
 
 def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
     _, plan = run_plan(tmp_path, "model=qwen3-8b", "trainer.num_nodes=2", "trainer.devices=4",
-                       "kind=pointwise", "seq_len=2048", "gpu=v100", "activation_checkpointing=false")
+                       "kind=pointwise", "seq_len=2048", "gpu=v100", "activation_checkpointing=false",
+                       "sharding=fsdp")
     mem = plan["memory"]
     assert mem["world"] == 8 and mem["rows_per_micro_batch"] == 2 and mem["seq_len"] == 2048
     assert mem["total_gib"] == mem["total_full_gib"]
@@ -271,8 +273,11 @@ def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
     _, held = run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=128")
     assert not alone["memory"]["accumulating"] and held["memory"]["accumulating"]
     assert alone["memory"]["total_gib"] < held["memory"]["total_gib"]
-    with pytest.raises(ValueError, match="global_batch_size=100 is not a multiple of micro_batch_size=8"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # a one-line error, exit 2
         run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=100")
+    assert stop.value.code == 2
+    assert "global_batch_size=100 is not a multiple of micro_batch_size=8" in capsys.readouterr().err
 
 
 def test_crm_plan_console_script_is_installed():
@@ -297,3 +302,114 @@ def test_crm_plan_host_memory_follows_model_path(tmp_path, capsys):
     line = next(row for row in capsys.readouterr().out.splitlines()
                 if row.startswith("from model.path,"))
     assert line.endswith("<- configured")
+
+
+# -- network (crm.perf.network) -------------------------------------------------------------------
+
+ROOT = 100 * 64 + 64 + 128  # embedding, final norm, head of SMALL
+# 1 and 0.25 GB/s: a ring over both nodes runs at min(1, 2 x 0.25) = 0.5 GB/s; no latency
+SLOW = Links(intra_node_busbw_gbs=1.0, inter_node_busbw_gbs=0.25, intra_node_latency_s=0.0,
+             inter_node_latency_s=0.0)
+
+
+def test_network_plan_by_hand(small):
+    kw = dict(num_nodes=2, devices=2, seq_len=10, accumulation=2, compute_mfu=0.5, peak_flops=1e10,
+              links=SLOW)
+    p = network_plan(small, sharding="fsdp", grad_sync="step", **kw)
+    gather_fwd, gather_bwd, scatter = p["collectives"]
+    # flat FSDP over W = 4 ranks: a ring moves 3/4 of each buffer per GPU, at 0.5e9 B/s
+    assert gather_fwd["per_gpu_bytes"] == TOTAL * 2 * 3 / 4 == 120_960  # bf16, every unit
+    assert gather_bwd["per_gpu_bytes"] == 1 * LAYER * 2 * 3 / 4 == 55_536  # L - 1 = 1 layer again
+    assert scatter["per_gpu_bytes"] == TOTAL * 4 * 3 / 4 == 241_920  # fp32
+    assert (gather_fwd["count"], gather_bwd["count"], scatter["count"]) == (2, 2, 1)  # step: once
+    assert gather_fwd["seconds"] == pytest.approx(120_960 / 0.5e9)
+    # compute: 10 tokens x 460,800 FLOPs at 0.5 x 1e10 FLOP/s = 9.216e-4 s a micro step
+    assert p["compute_seconds_per_micro_step"] == pytest.approx(9.216e-4)
+    # micro step 1: gathers 3.52992e-4 s < compute, exposed: the root's gather, 13,184 x 3/4 B;
+    # micro step 2 adds the reduce-scatter (8.36832e-4 s, hidden) and the root's, 26,368 x 3/4 B
+    root_gather, root_scatter = ROOT * 2 * 0.75 / 0.5e9, ROOT * 4 * 0.75 / 0.5e9
+    assert p["exposed_seconds_per_step"] == pytest.approx(2 * root_gather + root_scatter)
+    assert p["step_seconds"] == pytest.approx(2 * 9.216e-4 + 7.9104e-5)
+    assert p["mfu"] == pytest.approx(2 * 10 * 460_800 / (1.922304e-3 * 1e10))
+    # micro_batch: a reduce-scatter on each micro step
+    every = network_plan(small, sharding="fsdp", grad_sync="micro_batch", **kw)
+    assert every["collectives"][2]["count"] == 2
+    assert every["step_seconds"] == pytest.approx(p["step_seconds"] + root_scatter)
+
+    h = network_plan(small, sharding="hsdp", grad_sync="step", **kw)
+    gather_fwd, _, scatter, reduce = h["collectives"]
+    # HSDP: rings of 2 GPUs in a node (1/2 of each buffer at 1e9 B/s), reduce-scatter every micro
+    # step; the all-reduce of the fp32 shards (P x 4 / 2) between the 2 nodes, 2 x 1/2 at 0.25e9 B/s
+    assert gather_fwd["per_gpu_bytes"] == TOTAL * 2 / 2 and scatter["count"] == 2
+    assert reduce["per_gpu_bytes"] == TOTAL * 4 / 2 and reduce["count"] == 1
+    assert reduce["seconds"] == pytest.approx(TOTAL * 2 / 0.25e9)  # 6.4512e-4 s
+    assert h["replicate_group"] == {"ranks": 2, "busbw_gbs": 0.25}
+    # the last micro step: 80,640 + 37,024 + 161,280 B at 1e9 B/s and the all-reduce, 6.4512e-4 s:
+    # 9.24064e-4 s against 9.216e-4 s of compute, 2.464e-6 s exposed besides the root's
+    exposed = 2 * (ROOT / 1e9 + ROOT * 2 / 1e9) + ROOT * 4 / 2 / 0.25e9 + 2.464e-6
+    assert h["exposed_seconds_per_step"] == pytest.approx(exposed)
+    # latency: once per ring step (ranks - 1) and per unit (L + 1 = 3 for the forward gather)
+    lat = network_plan(small, sharding="fsdp", **{**kw, "links": Links(1.0, 0.25, 0.0, 1e-6)})
+    assert lat["collectives"][0]["seconds"] == pytest.approx(120_960 / 0.5e9 + 3 * 3 * 1e-6)
+    with pytest.raises(ValueError, match="sharding='zero'"):
+        network_plan(small, sharding="zero", **kw)
+
+
+def test_qwen3_8b_on_4_nodes_of_8_h100_reaches_the_mfu_goal(shapes):
+    """docs/PERFORMANCE.md section 10: 4,096-token rows, 256 records a step (8 micro steps of 1)."""
+    s = shapes["qwen3-8b"]
+    kw = dict(num_nodes=4, devices=8, seq_len=4096, micro_batch_size=1, accumulation=8)
+    hsdp, fsdp = (network_plan(s, sharding=x, **kw) for x in ("hsdp", "fsdp"))
+    assert hsdp["mfu"] >= 0.35 and round(hsdp["mfu"], 3) == 0.440
+    assert round(fsdp["mfu"], 3) == 0.445
+    # checkpointing's recompute costs a third more compute: under the goal
+    assert network_plan(s, sharding="hsdp", activation_checkpointing=True, **kw)["mfu"] < 0.35
+    assert choose_sharding(s, num_nodes=4, devices=8, seq_len=4096, micro_batch_size=1) == "hsdp"
+
+
+def test_choose_sharding_is_hsdp_where_one_node_holds_the_states(small):
+    kw = dict(seq_len=10, micro_batch_size=1)
+    assert choose_sharding(small, num_nodes=2, devices=2, **kw) == "hsdp"
+    assert choose_sharding(small, num_nodes=1, devices=8, **kw) == "fsdp"  # one node
+    assert choose_sharding(small, num_nodes=4, devices=1, **kw) == "fsdp"  # one GPU per node
+    node = memory_plan(small, world=2, seq_len=10, compiled=True)
+    # a GPU just too small for the states sharded over one node's 2 GPUs: flat FSDP
+    too_small = (node["total_gib"] + 2.0) / 0.9 * (1 - 1e-6)
+    assert choose_sharding(small, num_nodes=2, devices=2, gpu_memory_gib=too_small, **kw) == "fsdp"
+    assert choose_sharding(small, num_nodes=2, devices=2, gpu_memory_gib=too_small * 1.01, **kw) == "hsdp"
+
+
+def test_grad_sync_step_holds_flat_fsdps_gradients_unsharded(small):
+    held = plan_bytes(memory_plan(small, world=4, seq_len=10, unsharded_grads=True))
+    plain = plan_bytes(memory_plan(small, world=4, seq_len=10))
+    assert held["accumulated_grads"] == TOTAL * 4 and plain["accumulated_grads"] == 0
+    assert held["total"] == plain["total"] + TOTAL * 4
+    alone = plan_bytes(memory_plan(small, world=4, seq_len=10, unsharded_grads=True, accumulating=False))
+    assert alone["accumulated_grads"] == 0  # one micro step a step: reduced at once
+
+
+def test_crm_plan_network_table_and_recommend(tmp_path, capsys):
+    _, plan = run_plan(tmp_path, "model=qwen3-8b", "trainer.num_nodes=4", "global_batch_size=256",
+                       "activation_checkpointing=false")
+    assert plan["sharding"] == "hsdp" and plan["memory"]["world"] == 8  # states over one node
+    assert plan["network"]["accumulation"] == 8 and plan["network"]["mfu"] >= 0.35
+    assert "predicted step" in capsys.readouterr().out
+    _, flat = run_plan(tmp_path, "model=qwen3-8b", "trainer.num_nodes=4", "global_batch_size=256",
+                       "activation_checkpointing=false", "sharding=fsdp")
+    assert flat["memory"]["world"] == 32 and flat["memory"]["accumulated_grads_gib"] > 28
+    _, table = run_plan(tmp_path, "table=true", "table_models=[qwen3-0.6b,qwen3-8b]", "table_nodes=[1,4,64]",
+                        "global_batch_size=256")
+    rows = {(r["model"], r["num_nodes"]): r for r in table["rows"]}
+    assert rows[("qwen3-8b", 4)]["hsdp"]["mfu"] == pytest.approx(
+        network_plan(ModelShape.from_arch("qwen3-8b"), num_nodes=4, devices=8, seq_len=4096,
+                     accumulation=8, sharding="hsdp", activation_checkpointing=True)["mfu"])
+    assert rows[("qwen3-8b", 1)]["hsdp"] is None and rows[("qwen3-8b", 64)]["accumulation"] is None
+    out = capsys.readouterr().out
+    assert "FSDP step, MFU" in out and "qwen3-0.6b" in out
+    _, rec = run_plan(tmp_path, "recommend=true", "model=qwen3-8b", "trainer.num_nodes=4",
+                      "global_batch_size=256")
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommend: "))
+    assert line.split()[1:] == rec["overrides"]
+    best = rec["best"]
+    assert best["sharding"] == "hsdp" and not best["activation_checkpointing"]
+    assert best["mfu"] >= max(c["mfu"] for c in rec["candidates"]) * 0.98
