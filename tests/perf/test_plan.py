@@ -157,8 +157,10 @@ def test_activations_are_what_autograd_keeps(precision, strategy):
                                   precision=precision, strategy=strategy, activation_checkpointing=False))
     # autocast's bf16 weight copies: the plan counts the norms' weights too, which stay float32
     copies = plan["weight_copies"] - (2 * 2 * (2 * 64 + 2 * 16) if mode == "autocast" else 0)
-    # left out of the plan: the head's row (its input, the logits) and under autocast its weight's copy
-    assert abs(kept - plan["activations_full"] - copies) <= 4 * 64 + 64 + 2 * 64 * 2
+    # left out of the plan: the head's float32 row (its input) and, for a bf16 backbone, the float32
+    # copy of its 2 x 64 weight (crm.models.heads.head_at); the logits within the slack
+    head = 4 * 64 + (4 * 2 * 64 if mode == "bf16" else 0)
+    assert abs(kept - plan["activations_full"] - copies - head) <= 64
 
 
 def test_one_micro_batch_per_step_peaks_at_the_larger_of_gradients_and_activations(small):
