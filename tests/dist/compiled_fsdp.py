@@ -51,6 +51,8 @@ def main(kind: str, arch: dict, out: str) -> None:
     results["graphs"] = torch.tensor([stats["graphs"]])
     if rank == 0:
         save_file({k: v.contiguous() for k, v in results.items()}, out)
+    # No rank tears its end of the gloo pairs down while a peer still works (rank 0 saving)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -40,6 +40,8 @@ def main(batch_file: str, out_dir: str, checkpoints: list[str]) -> None:
             save_file({"logits": logits, "head": head,
                        "inv_freq": crm.model.model.rotary_emb.inv_freq.contiguous()},
                       str(Path(out_dir) / f"{Path(path).name}.safetensors"))
+    # No rank tears its end of the gloo pairs down while a peer still works (rank 0 saving)
+    dist.barrier()
     dist.destroy_process_group()
 
 
