@@ -22,19 +22,21 @@ class MicroBatcher:
 
     `score(list) -> list` (one value per item) runs on the batcher's thread; when it raises, each
     call's items are scored again alone, so the call at fault gets the error and the others their
-    values. One batcher serves one event loop."""
+    values. The batching runs in the event loop of the latest call."""
 
     def __init__(self, score: Callable[[list], list], wait: float = 0.01, max_items: int = 512):
         self.score, self.wait, self.max_items = score, wait, max_items
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="crm-reward")
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.queue: asyncio.Queue | None = None
         self.task: asyncio.Task | None = None
 
     async def __call__(self, items: list) -> list:
-        if self.task is None:  # started in the loop that serves the calls
-            self.queue = asyncio.Queue()
-            self.task = asyncio.get_running_loop().create_task(self._loop())
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:  # the first call, or a new loop (each asyncio.run makes one)
+            self.loop, self.queue = loop, asyncio.Queue()
+            self.task = loop.create_task(self._loop())
+        future = loop.create_future()
         await self.queue.put((items, future))
         return await future
 

@@ -148,3 +148,10 @@ def test_verl_needs_a_query(tmp_path):
     batch["extra_infos"] = np.array([{"index": 0}], dtype=object)
     with pytest.raises(CRMRewardError, match=r"row 0: no query"):
         compute_score(**batch, checkpoint=str(export))
+
+
+def test_verl_per_sample_compute_score_points_to_the_reward_manager():
+    """verl 0.7+'s reward loop calls compute_score(data_source=, solution_str=, ...) per response."""
+    with pytest.raises(CRMRewardError, match="pkg://crm.rl.verl_manager"):
+        compute_score(data_source="crm", solution_str="a", ground_truth=CRITERIA,
+                      extra_info={"question": "q"}, checkpoint="unused")
