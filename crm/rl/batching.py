@@ -79,6 +79,7 @@ class MicroBatcher:
         return out
 
     def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
+        """Stop batching (from any thread); a loop that has ended has cancelled it already."""
+        if self.task is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.task.cancel)
         self.executor.shutdown(wait=False)
