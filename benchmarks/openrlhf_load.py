@@ -11,7 +11,8 @@ The server is `python -m crm.rl.openrlhf` in its own process (one torch thread),
 demo's tiny CRM architecture (random init: a forward costs the same whatever the weights) with a
 BPE trained on the demo data, `reference` strategy. Next to each level: the scorer's own time for
 the same samples in one reward call (a fresh CRMReward in this process, one thread), the floor
-any server pays; the goal is p95 latency within 2x of it.
+any server pays; the goal is p95 latency within 2x of it. The server's CPU seconds per level
+(all its threads, from /proc) compare servers where wall time is shared with other jobs.
 
     python benchmarks/openrlhf_load.py [--levels 64 512 2048] [--batch-wait 0.01]
 """
@@ -109,6 +110,12 @@ async def load(url: str, rows, timeout: float) -> dict:
             "max_s": round(latencies[-1], 3) if latencies else None}
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time (all its threads): robust where wall time is shared."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scorer_time(crm_dir: Path, rows) -> float:
     """One reward call over the same samples, fresh cache: what the server cannot go below."""
     reward = CRMReward(crm_dir, "reference", batch_size=32)
@@ -144,8 +151,10 @@ def main() -> None:
             for n in args.levels:
                 part = rows[start:start + n]  # distinct samples per level: no cached verdict helps
                 start += n
+                cpu0 = cpu_seconds(server.pid)
                 result = asyncio.run(load(url, part, args.timeout))
                 result["concurrency"] = n
+                result["server_cpu_s"] = round(cpu_seconds(server.pid) - cpu0, 2)
                 result["scorer_batch_s"] = round(scorer_time(crm_dir, part), 3)
                 if result["p95_s"] is not None:
                     result["p95_over_scorer"] = round(result["p95_s"] / result["scorer_batch_s"], 2)
