@@ -22,8 +22,9 @@ ChatML or Llama-3 prompt, else the prompt as it is (`prompts` is never truncated
 OpenRLHF sends one sample per request, a whole rollout batch of requests at once, each on a new
 connection: uvicorn serves them from one event loop, its listen queue holds thousands (the
 standard library server's queue of 5 reset them), and concurrent requests are scored together in
-one reward call on one worker thread (crm/rl/batching.py; `batch_wait` seconds to gather them). OpenRLHF scores each sample alone, so strategy `round_robin` (which needs the whole group)
-is refused: `reference` (the label's reference answer) for a pairwise CRM, `pointwise` for a
+one reward call on one worker thread (crm/rl/batching.py; `batch_wait` seconds to gather them).
+OpenRLHF scores each sample alone, so strategy `round_robin` (which needs the whole group) is
+refused: `reference` (the label's reference answer) for a pairwise CRM, `pointwise` for a
 pointwise one. Bad requests get HTTP 400 with {"error": "..."} (bodies over `max_body` bytes 413),
 and every refusal is logged here with its reason: OpenRLHF's client logs only the status.
 """

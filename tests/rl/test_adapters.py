@@ -155,3 +155,26 @@ def test_verl_per_sample_compute_score_points_to_the_reward_manager():
     with pytest.raises(CRMRewardError, match="pkg://crm.rl.verl_manager"):
         compute_score(data_source="crm", solution_str="a", ground_truth=CRITERIA,
                       extra_info={"question": "q"}, checkpoint="unused")
+
+
+def test_openrlhf_request_the_crm_refuses_fails_alone_in_a_shared_batch(server):
+    """An empty criterion passes the label check and is refused by the reward call itself: the
+    batch it shares is scored again request by request, so only its own request fails."""
+    reward, url = server
+    bodies = [{"query": [PROMPT + "alpha reply"], "prompts": [PROMPT],
+               "labels": [{"criteria": criteria, "reference": "beta reply"}]}
+              for criteria in (CRITERIA, ["c", ""], CRITERIA)]
+    results = [None] * 3
+
+    def one(i):
+        results[i] = post(url, bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    expected = reward(["question one"], ["alpha reply"], criteria=[CRITERIA], reference=["beta reply"])
+    assert [r[0] for r in results] == [200, 400, 200]
+    assert "empty or non-string criterion" in results[1][1]["error"]
+    assert results[0][1]["rewards"] == results[2][1]["rewards"] == pytest.approx(expected, abs=1e-6)

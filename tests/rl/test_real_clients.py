@@ -163,6 +163,21 @@ def test_verl_reward_loop_scores_whole_groups_round_robin(tmp_path):
     assert sum(expected[:4]) == pytest.approx(2.0, abs=1e-6)  # a group of 4: mean 0.5
 
 
+def test_verl_group_short_of_a_rollout_is_scored_after_the_timeout(tmp_path):
+    """A group that never fills (3 of 4 rollouts) does not hang the step: after group_timeout it
+    is scored as it is."""
+    worker = RewardLoopWorker(verl_config(tmp_path, 4, "+reward.reward_kwargs.group_timeout=0.2"))
+    questions, responses = ["question one"] * 3, ["alpha reply", "beta reply", "alpha reply the"]
+    data = rollouts(questions, responses, ["u1"] * 3)
+
+    async def streamed():
+        calls = asyncio.gather(*(worker.compute_score(data[i:i + 1]) for i in range(3)))
+        return await asyncio.wait_for(calls, timeout=60)
+
+    expected = CRMReward(tmp_path / "crm")(questions, responses, criteria=[CRITERIA] * 3)
+    assert [r["reward_score"] for r in asyncio.run(streamed())] == pytest.approx(expected, abs=1e-6)
+
+
 @pytest.mark.parametrize("override,message", [
     ("reward.num_workers=8", "set reward.num_workers=1"),
     ("actor_rollout_ref.rollout.val_kwargs.n=1", "val_kwargs.n=4"),
