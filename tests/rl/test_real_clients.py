@@ -163,6 +163,14 @@ def test_verl_reward_loop_scores_whole_groups_round_robin(tmp_path):
     assert sum(expected[:4]) == pytest.approx(2.0, abs=1e-6)  # a group of 4: mean 0.5
 
 
+def test_verl_registry_holds_the_manager_as_crm():
+    from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
+
+    from crm.rl.verl_manager import CRMRewardManager
+
+    assert get_reward_manager_cls("crm") is CRMRewardManager
+
+
 def test_verl_group_short_of_a_rollout_is_scored_after_the_timeout(tmp_path):
     """A group that never fills (3 of 4 rollouts) does not hang the step: after group_timeout it
     is scored as it is."""
