@@ -14,17 +14,13 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_tokenizer
+from hydra import compose, initialize_config_module
+from openrlhf.utils import agent as openrlhf_agent
 from scorers import export_tiny, tiny_scorer
-from stubs import stub_missing
+from stubs import stubbed
 
 from crm.inference.reward import CRMReward, CRMRewardError
 from crm.rl.openrlhf import make_server
-
-stub_missing("ray")
-from hydra import compose, initialize_config_module  # noqa: E402
-from openrlhf.utils import agent as openrlhf_agent  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.experimental.reward_loop.reward_loop import RewardLoopWorker  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -100,6 +96,16 @@ def test_openrlhf_executor_512_concurrent_samples_all_rewarded(openrlhf_server):
 # -- verl ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def verl():
+    """verl's DataProto and RewardLoopWorker, ray stubbed while this module's tests run."""
+    with stubbed("ray"):
+        from verl import DataProto
+        from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+        yield types.SimpleNamespace(DataProto=DataProto, RewardLoopWorker=RewardLoopWorker)
+
+
 def verl_config(tmp_path, n: int, *overrides: str):
     """verl's own ppo_trainer config with the settings docs/RL.md gives."""
     tokenizer_dir = tmp_path / "policy"
@@ -114,7 +120,7 @@ def verl_config(tmp_path, n: int, *overrides: str):
             f"+reward.reward_kwargs.checkpoint={export}", "reward.num_workers=1", *overrides])
 
 
-def rollouts(questions: list[str], responses: list[str], uids: list[str]) -> DataProto:
+def rollouts(verl, questions: list[str], responses: list[str], uids: list[str]):
     """A batch as verl's trainer holds it: left-padded prompts, right-padded responses."""
     tok = tiny_tokenizer()
     prompts = [tok(text=CHATML.format(q), add_special_tokens=False)["input_ids"] for q in questions]
@@ -126,7 +132,7 @@ def rollouts(questions: list[str], responses: list[str], uids: list[str]) -> Dat
     mask = torch.tensor([[0] * (p_len - len(p)) + [1] * (len(p) + len(a)) + [0] * (r_len - len(a))
                          for p, a in zip(prompts, answers)])
     label = {"criteria": CRITERIA}
-    return DataProto.from_dict(
+    return verl.DataProto.from_dict(
         tensors={"prompts": prompt_ids, "responses": response_ids, "attention_mask": mask,
                  "input_ids": torch.cat([prompt_ids, response_ids], 1)},
         non_tensors={"data_source": np.array(["crm"] * len(questions), dtype=object),
@@ -137,14 +143,14 @@ def rollouts(questions: list[str], responses: list[str], uids: list[str]) -> Dat
                      "uid": np.array(uids, dtype=object)})
 
 
-def test_verl_reward_loop_scores_whole_groups_round_robin(tmp_path):
+def test_verl_reward_loop_scores_whole_groups_round_robin(verl, tmp_path):
     """verl's RewardLoopWorker, built from the config, loads the CRM manager; the agent loop's
     streaming calls (one per rollout, any order) and the colocated batch call both give each
     rollout its round_robin reward over all n = 4 rollouts of its prompt."""
-    worker = RewardLoopWorker(verl_config(tmp_path, 4))
+    worker = verl.RewardLoopWorker(verl_config(tmp_path, 4))
     questions = ["question one"] * 4 + ["question two"] * 4
     responses = ["alpha reply", "beta reply", "alpha reply the", "beta", "a", "alpha", "reply of", "the"]
-    data = rollouts(questions, responses, ["u1"] * 4 + ["u2"] * 4)
+    data = rollouts(verl, questions, responses, ["u1"] * 4 + ["u2"] * 4)
     order = list(range(8))
     random.Random(0).shuffle(order)  # rollouts finish in any order
 
@@ -163,7 +169,7 @@ def test_verl_reward_loop_scores_whole_groups_round_robin(tmp_path):
     assert sum(expected[:4]) == pytest.approx(2.0, abs=1e-6)  # a group of 4: mean 0.5
 
 
-def test_verl_registry_holds_the_manager_as_crm():
+def test_verl_registry_holds_the_manager_as_crm(verl):
     from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
 
     from crm.rl.verl_manager import CRMRewardManager
@@ -171,12 +177,12 @@ def test_verl_registry_holds_the_manager_as_crm():
     assert get_reward_manager_cls("crm") is CRMRewardManager
 
 
-def test_verl_group_short_of_a_rollout_is_scored_after_the_timeout(tmp_path):
+def test_verl_group_short_of_a_rollout_is_scored_after_the_timeout(verl, tmp_path):
     """A group that never fills (3 of 4 rollouts) does not hang the step: after group_timeout it
     is scored as it is."""
-    worker = RewardLoopWorker(verl_config(tmp_path, 4, "+reward.reward_kwargs.group_timeout=0.2"))
+    worker = verl.RewardLoopWorker(verl_config(tmp_path, 4, "+reward.reward_kwargs.group_timeout=0.2"))
     questions, responses = ["question one"] * 3, ["alpha reply", "beta reply", "alpha reply the"]
-    data = rollouts(questions, responses, ["u1"] * 3)
+    data = rollouts(verl, questions, responses, ["u1"] * 3)
 
     async def streamed():
         calls = asyncio.gather(*(worker.compute_score(data[i:i + 1]) for i in range(3)))
@@ -191,6 +197,6 @@ def test_verl_group_short_of_a_rollout_is_scored_after_the_timeout(tmp_path):
     ("actor_rollout_ref.rollout.val_kwargs.n=1", "val_kwargs.n=4"),
     ("+reward.reward_kwargs.tmperature=2", "unknown reward.reward_kwargs ['tmperature']"),
 ])
-def test_verl_settings_that_cannot_work_are_refused_at_start(tmp_path, override, message):
+def test_verl_settings_that_cannot_work_are_refused_at_start(verl, tmp_path, override, message):
     with pytest.raises(CRMRewardError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        RewardLoopWorker(verl_config(tmp_path, 4, override))
+        verl.RewardLoopWorker(verl_config(tmp_path, 4, override))
