@@ -100,13 +100,17 @@ def test_openrlhf_bad_requests_are_400_with_the_reason_and_logged(server, payloa
     assert any(message in r.getMessage() for r in caplog.records)
 
 
-def test_openrlhf_left_truncated_prompt_is_scored_as_the_whole(server):
+@pytest.mark.parametrize("earlier", ["<|im_start|>system\nbe brief<|im_end|>\n",
+                                     # an earlier assistant turn: the header occurs twice
+                                     PROMPT + "alpha reply<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"])
+def test_openrlhf_left_truncated_prompt_is_scored_as_the_whole(server, earlier):
     """OpenRLHF cuts an over-long prompt's tokens from the left: `query` starts inside `prompts`."""
     reward, url = server
-    prompt = "<|im_start|>system\nbe brief<|im_end|>\n" + PROMPT
+    prompt = earlier + PROMPT
     label = {"criteria": CRITERIA, "reference": "beta reply"}
     whole = post(url, {"query": [prompt + "alpha reply<|im_end|>"], "prompts": [prompt], "labels": [label]})
-    for cut in (5, len(prompt) - len(PROMPT) + 3):  # inside the system turn, inside the user turn
+    assert whole[0] == 200
+    for cut in (5, len(earlier) + 3):  # inside the earlier turns, inside the last user turn
         query = "\ufffd" + prompt[cut:] + "alpha reply<|im_end|>"  # a broken first byte, as decoded
         assert post(url, {"query": [query], "prompts": [prompt], "labels": [label]}) == whole
 
