@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{server.url}", flush=True)
     try:
         server.serve_forever()
+    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again
+        pass
     finally:
         server.close()
     return 0
