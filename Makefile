@@ -11,9 +11,16 @@ PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check 
 
 install: $(BIN)/.installed
 
-$(BIN)/.installed: setup.py
+# The RL adapters' tests drive the real clients (docs/RL.md "Versions"): openrlhf and verl installed
+# without their GPU stack (deepspeed, vllm, ray: tests/stubs.py stands in for ray), plus the small
+# modules the code they import needs. --no-deps: their pins (transformers, torch) are not ours.
+RL_CLIENTS := openrlhf==0.11.2 verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 codetiming==1.4.0 \
+	pylatexenc==2.10
+
+$(BIN)/.installed: setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(RL_CLIENTS)
 	touch $@
 
 # The embedded CPU demo: generate data -> shard -> train the tiny pairwise CRM -> export ->

@@ -22,6 +22,10 @@ INSTALL_REQUIRES = [
     "scikit-learn==1.9.1",
     "tqdm==4.70.1",
     "pyarrow==26.0.1",
+    # the OpenRLHF reward server (crm/rl/openrlhf.py): one event loop holds OpenRLHF's thousands of
+    # concurrent requests; the standard library's thread per connection spent 40-80% more CPU on
+    # 2048 of them (benchmarks/openrlhf_load.py, docs/RL.md). Pure Python (h11, click).
+    "uvicorn==0.54.0",
 ]
 APP_REQUIRES = ["gradio==6.31.0"]  # scikit-learn (similarity selection) is a core requirement
 RL_REQUIRES = ["trl==1.16.0"]  # crm-rl and crm.CRMReward with TRL's trainers (datasets comes with it)

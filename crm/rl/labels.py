@@ -43,7 +43,7 @@ def parse_label(value, row: int) -> Label:
     else:
         criteria, query, reference = value, None, None
     if isinstance(criteria, str):
-        criteria = [criteria]
+        criteria = [criteria] if criteria.strip() else []  # "" holds no criterion
     if not isinstance(criteria, list) or not criteria:
         raise CRMRewardError(f"row {row}: no criteria in the label {value!r}: a list of strings, "
                              "one string, or {\"criteria\": [...]}")

@@ -1,4 +1,5 @@
-"""A CRM as verl's batch reward function.
+"""A CRM as the batch reward function of verl before its reward loop (verl older than 0.7, not
+tested here; verl 0.7-0.9 never calls it: crm/rl/verl_manager.py is their adapter):
 
     reward_model.reward_manager=batch
     custom_reward_function.path=$(python -c "import crm.rl.verl as m; print(m.__file__)")
@@ -33,10 +34,17 @@ def _reward(checkpoint: str, strategy: str | None, tau: float, log_odds: bool,
     return CRMReward(checkpoint, strategy, tau=tau, log_odds=log_odds, batch_size=batch_size)
 
 
-def compute_score(data_sources, solution_strs, ground_truths, extra_infos, *, checkpoint: str,
-                  strategy: str | None = None, tau: float = 1.0, log_odds: bool = False,
-                  batch_size: int = 32, **_) -> list[float]:
+def compute_score(data_sources=None, solution_strs=None, ground_truths=None, extra_infos=None, *,
+                  checkpoint: str | None = None, strategy: str | None = None, tau: float = 1.0,
+                  log_odds: bool = False, batch_size: int = 32, **kwargs) -> list[float]:
     """One reward per response; `checkpoint` and the rest come from reward_kwargs."""
+    if "solution_str" in kwargs:  # verl 0.7+'s reward loop: one response per call
+        raise CRMRewardError("verl's reward loop calls compute_score one response at a time, so "
+                             "a CRM cannot compare a prompt's rollouts or batch them: use its reward "
+                             "manager, reward.reward_manager.module.path=pkg://crm.rl.verl_manager "
+                             "(docs/RL.md)")
+    if checkpoint is None:
+        raise CRMRewardError("no CRM: set custom_reward_function.reward_kwargs.checkpoint=PATH")
     reward = _reward(str(checkpoint), strategy, float(tau), bool(log_odds), int(batch_size))
     queries, criteria, references = [], [], []
     for i, (truth, extra) in enumerate(zip(ground_truths, extra_infos)):

@@ -3,13 +3,13 @@ exact shapes their projects send (crm/rl/openrlhf.py and crm/rl/verl.py cite the
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
-from helpers import free_port
 from scorers import export_tiny, tiny_scorer
 
 from crm.inference.reward import CRMReward, CRMRewardError
@@ -28,13 +28,9 @@ PROMPT = "<|im_start|>user\nquestion one<|im_end|>\n<|im_start|>assistant\n"
 def server():
     """The server on 127.0.0.1, a free port, serving a pairwise tiny CRM's `reference` rewards."""
     reward = CRMReward(tiny_scorer(), "reference")
-    httpd = make_server(reward, "127.0.0.1", free_port(), batch_wait=0.05)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield reward, f"http://127.0.0.1:{httpd.server_address[1]}/get_reward"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    server = make_server(reward, "127.0.0.1", 0, batch_wait=0.05).start()
+    yield reward, server.url
+    server.close()
 
 
 def post(url: str, payload, timeout: float = 30) -> tuple[int, dict]:
@@ -87,21 +83,41 @@ def test_openrlhf_concurrent_single_sample_requests_each_get_their_own(server):
 @pytest.mark.parametrize("payload,message", [
     (b"{not json", "not JSON"),
     ({"query": ["x"]}, 'expected {"query": [...], "prompts": [...], "labels": [...]}'),
-    ({"query": ["x"], "prompts": ["y"], "labels": [["c"]]}, "row 0: query does not start with its prompt"),
-    ({"query": [PROMPT + "a"], "prompts": [PROMPT], "labels": [["c"]]}, "needs the label's reference"),
+    ({"query": ["x"], "prompts": ["y"], "labels": [["c"]]}, "row 0: the query holds neither its prompt"),
+    ({"query": [PROMPT + "a"], "prompts": [PROMPT], "labels": [["c"]]},
+     'needs a reference answer: the label\'s "reference" key'),
+    ({"query": [PROMPT + "a"], "prompts": [PROMPT], "labels": [""]}, "row 0: no criteria in the label"),
     ({"query": [PROMPT + "a"], "prompts": [PROMPT], "labels": [{"criteria": []}]}, "row 0: no criteria"),
     ({"query": [PROMPT + "a"], "prompts": [PROMPT], "labels": [{"criteria": ["c"], "answer": 1}]},
      "unknown label keys"),
 ])
-def test_openrlhf_bad_requests_are_400_with_the_reason(server, payload, message):
+def test_openrlhf_bad_requests_are_400_with_the_reason_and_logged(server, payload, message, caplog):
     _, url = server
-    status, answer = post(url, payload)
+    with caplog.at_level(logging.WARNING, logger="crm.rl.openrlhf"):
+        status, answer = post(url, payload)
     assert status == 400 and message in answer["error"]
+    # logged before the answer is sent: the server's log names the reason too
+    assert any(message in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("earlier", ["<|im_start|>system\nbe brief<|im_end|>\n",
+                                     # an earlier assistant turn: the header occurs twice
+                                     PROMPT + "alpha reply<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"])
+def test_openrlhf_left_truncated_prompt_is_scored_as_the_whole(server, earlier):
+    """OpenRLHF cuts an over-long prompt's tokens from the left: `query` starts inside `prompts`."""
+    reward, url = server
+    prompt = earlier + PROMPT
+    label = {"criteria": CRITERIA, "reference": "beta reply"}
+    whole = post(url, {"query": [prompt + "alpha reply<|im_end|>"], "prompts": [prompt], "labels": [label]})
+    assert whole[0] == 200
+    for cut in (5, len(earlier) + 3):  # inside the earlier turns, inside the last user turn
+        query = "\ufffd" + prompt[cut:] + "alpha reply<|im_end|>"  # a broken first byte, as decoded
+        assert post(url, {"query": [query], "prompts": [prompt], "labels": [label]}) == whole
 
 
 def test_openrlhf_refuses_round_robin():
     with pytest.raises(CRMRewardError, match="OpenRLHF scores each sample alone"):
-        make_server(CRMReward(tiny_scorer(), "round_robin"), "127.0.0.1", free_port())
+        make_server(CRMReward(tiny_scorer(), "round_robin"), "127.0.0.1", 0)
 
 
 def verl_batch(queries, responses, truths):
@@ -136,3 +152,33 @@ def test_verl_needs_a_query(tmp_path):
     batch["extra_infos"] = np.array([{"index": 0}], dtype=object)
     with pytest.raises(CRMRewardError, match=r"row 0: no query"):
         compute_score(**batch, checkpoint=str(export))
+
+
+def test_verl_per_sample_compute_score_points_to_the_reward_manager():
+    """verl 0.7+'s reward loop calls compute_score(data_source=, solution_str=, ...) per response."""
+    with pytest.raises(CRMRewardError, match="pkg://crm.rl.verl_manager"):
+        compute_score(data_source="crm", solution_str="a", ground_truth=CRITERIA,
+                      extra_info={"question": "q"}, checkpoint="unused")
+
+
+def test_openrlhf_request_the_crm_refuses_fails_alone_in_a_shared_batch(server):
+    """An empty criterion passes the label check and is refused by the reward call itself: the
+    batch it shares is scored again request by request, so only its own request fails."""
+    reward, url = server
+    bodies = [{"query": [PROMPT + "alpha reply"], "prompts": [PROMPT],
+               "labels": [{"criteria": criteria, "reference": "beta reply"}]}
+              for criteria in (CRITERIA, ["c", ""], CRITERIA)]
+    results = [None] * 3
+
+    def one(i):
+        results[i] = post(url, bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    expected = reward(["question one"], ["alpha reply"], criteria=[CRITERIA], reference=["beta reply"])
+    assert [r[0] for r in results] == [200, 400, 200]
+    assert "empty or non-string criterion" in results[1][1]["error"]
+    assert results[0][1]["rewards"] == results[2][1]["rewards"] == pytest.approx(expected, abs=1e-6)
