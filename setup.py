@@ -22,6 +22,8 @@ INSTALL_REQUIRES = [
     "scikit-learn==1.9.1",
     "tqdm==4.70.1",
     "pyarrow==26.0.1",
+    # lora.rank > 0: LoRA adapters injected into the decoder's linears (crm/models/lora.py)
+    "peft==0.21.2",
 ]
 APP_REQUIRES = ["gradio==6.31.0"]  # scikit-learn (similarity selection) is a core requirement
 RL_REQUIRES = ["trl==1.16.0"]  # crm-rl and crm.CRMReward with TRL's trainers (datasets comes with it)

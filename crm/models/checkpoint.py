@@ -25,6 +25,7 @@ PREFIX = "crm.model."  # where the LightningModule keeps the HF model's weights
 CARD = "crm_card"
 CARD_VERSION = 1
 SHARDED_META = "meta.pt"  # Lightning writes it last into a sharded checkpoint dir
+LORA = "crm_lora"  # a LoRA run's adapters and base (crm.models.lora.base_record)
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:
@@ -114,23 +115,34 @@ def build_from_card(card: dict, weights: dict, dtype: torch.dtype | None = None)
                      card["max_tokens"])
 
 
-def load_crm(path: str | Path, dtype: torch.dtype | None = None) -> tuple[LoadedCRM, dict]:
-    """(the CRM, the checkpoint's other contents) from any checkpoint crm-train writes."""
+def load_crm(path: str | Path, dtype: torch.dtype | None = None,
+             base: str | Path | None = None) -> tuple[LoadedCRM, dict]:
+    """(the CRM, the checkpoint's other contents) from any checkpoint crm-train writes. A LoRA
+    checkpoint's adapters are merged into its base (crm.models.lora.merged_weights), read from
+    the dir it trained on or from `base` where that has moved."""
     checkpoint = load_checkpoint(path)
     if CARD not in checkpoint:
         raise ValueError(f"{path}: no {CARD} in the checkpoint (not written by crm-train, or by "
                          "a crm older than self-describing checkpoints)")
-    crm = build_from_card(checkpoint.pop(CARD), model_weights(checkpoint), dtype)
+    weights = model_weights(checkpoint)
+    if checkpoint.get(LORA):
+        from crm.models.lora import merged_weights
+
+        weights = merged_weights(weights, checkpoint[LORA], base)
+    crm = build_from_card(checkpoint.pop(CARD), weights, dtype)
     del checkpoint["state_dict"]
     return crm, checkpoint
 
 
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Any checkpoint crm-train writes -> a HF directory with crm.json (crm.models.export)."""
+def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | None = None) -> Path:
+    """Any checkpoint crm-train writes -> a HF directory with crm.json (crm.models.export); a
+    LoRA checkpoint's adapters merged into the base (`base`: its dir, where it has moved)."""
     from crm.models.export import export_crm
 
-    crm, checkpoint = load_crm(path)
+    crm, checkpoint = load_crm(path, base=base)
+    extra = {"source": str(path), "global_step": checkpoint["global_step"],
+             "config": checkpoint.get("crm_config")}
+    if checkpoint.get(LORA):
+        extra["lora"] = {**checkpoint[LORA], "form": "merged"}
     return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
-                      max_tokens=crm.max_tokens,
-                      extra={"source": str(path), "global_step": checkpoint["global_step"],
-                             "config": checkpoint.get("crm_config")})
+                      max_tokens=crm.max_tokens, extra=extra)

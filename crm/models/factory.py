@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from crm.models.backbone import DTYPES, build_classifier
 from crm.models.heads import PairwiseCRM, PointwiseCRM
+from crm.models.lora import LoraConfig, add_adapters
 
 KINDS = ("pairwise", "pointwise")
 
@@ -45,17 +48,22 @@ class LossConfig:
 
 
 def build_crm(model: ModelConfig, loss: LossConfig, *, num_labels: int, pad_token_id: int | None,
-              vocab_size: int | None = None, device=None, compiled: bool = False):
+              vocab_size: int | None = None, device=None, compiled: bool = False,
+              lora: LoraConfig | None = None):
     """loss.kind pairwise (num_labels 2, or 3 with ties) or pointwise (one reward); `vocab_size`
     (the tokenizer's) sizes a tiny model's embeddings.
 
     device="meta" builds shapes only: from a `path`, no weight is read (see build_classifier).
-    `compiled`: the decoder layers will be compiled (backbone.choose_attention).
+    `compiled`: the decoder layers will be compiled (backbone.choose_attention). `lora` with a
+    rank: LoRA adapters in the decoder, only they and the head train (crm.models.lora); on the
+    meta device they are drawn once the shards exist (crm.training.parallel.build_sharded).
     """
     classifier = dict(pad_token_id=pad_token_id, path=model.path,
                       arch=model.architecture(vocab_size), attention=model.attention,
                       dtype=DTYPES[model.dtype], device=device, compiled=compiled)
+    hf = build_classifier(num_labels=num_labels if loss.kind == "pairwise" else 1, **classifier)
+    if lora is not None and lora.enabled:
+        add_adapters(hf, lora, init=torch.device(device or "cpu").type != "meta")
     if loss.kind == "pairwise":
-        return PairwiseCRM(build_classifier(num_labels=num_labels, **classifier))
-    return PointwiseCRM(build_classifier(num_labels=1, **classifier), margin=loss.margin,
-                        center_coef=loss.center_coef)
+        return PairwiseCRM(hf)
+    return PointwiseCRM(hf, margin=loss.margin, center_coef=loss.center_coef)
