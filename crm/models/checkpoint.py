@@ -96,8 +96,9 @@ class LoadedCRM(NamedTuple):
     max_tokens: int
 
 
-def build_from_card(card: dict, weights: dict, dtype: torch.dtype | None = None) -> LoadedCRM:
-    """The HF classifier of `card` holding `weights` (in their own dtype unless `dtype` is given)."""
+def build_from_card(card: dict, weights: dict | None, dtype: torch.dtype | None = None) -> LoadedCRM:
+    """The HF classifier of `card` holding `weights` (in their own dtype unless `dtype` is given);
+    weights=None: on the meta device, its config and tokenizer only."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     if card.get("version") != CARD_VERSION:
@@ -108,9 +109,13 @@ def build_from_card(card: dict, weights: dict, dtype: torch.dtype | None = None)
             (Path(tmp) / name).write_bytes(data)
         config = AutoConfig.from_pretrained(tmp, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
-    dtype = dtype or next(t.dtype for t in weights.values() if t.is_floating_point())
-    model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-    model.load_state_dict(weights)
+    if weights is None:
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        dtype = dtype or next(t.dtype for t in weights.values() if t.is_floating_point())
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        model.load_state_dict(weights)
     return LoadedCRM(model.eval(), tokenizer, PromptTemplate(**card["template"]), card["kind"],
                      card["max_tokens"])
 
@@ -134,15 +139,36 @@ def load_crm(path: str | Path, dtype: torch.dtype | None = None,
     return crm, checkpoint
 
 
-def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | None = None) -> Path:
-    """Any checkpoint crm-train writes -> a HF directory with crm.json (crm.models.export); a
-    LoRA checkpoint's adapters merged into the base (`base`: its dir, where it has moved)."""
+def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | None = None,
+                      adapters: bool = False) -> Path:
+    """Any checkpoint crm-train writes -> a HF directory with crm.json (crm.models.export). A LoRA
+    checkpoint's adapters are merged into the base (`base`: its dir, where it has moved), or with
+    `adapters` kept as peft's adapter directory on the base the checkpoint names."""
     from crm.models.export import export_crm
 
-    crm, checkpoint = load_crm(path, base=base)
-    extra = {"source": str(path), "global_step": checkpoint["global_step"],
-             "config": checkpoint.get("crm_config")}
-    if checkpoint.get(LORA):
-        extra["lora"] = {**checkpoint[LORA], "form": "merged"}
+    if not adapters:
+        crm, checkpoint = load_crm(path, base=base)
+        extra = {"source": str(path), "global_step": checkpoint["global_step"],
+                 "config": checkpoint.get("crm_config")}
+        if checkpoint.get(LORA):
+            extra["lora"] = {**checkpoint[LORA], "form": "merged"}
+        return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
+                          max_tokens=crm.max_tokens, extra=extra)
+    checkpoint = load_checkpoint(path)
+    record = checkpoint.get(LORA)
+    if not record:
+        raise ValueError(f"{path}: not a LoRA checkpoint: it has no adapters to keep (export it "
+                         "without --adapters)")
+    if record["base"] is None:
+        raise ValueError(f"{path}: its LoRA base was built from model.arch (random init) and has "
+                         "no directory for the adapters to name: export it merged")
+    from crm.models.lora import check_base
+
+    record = {**record, "base": str(check_base(record, base))}
+    crm = build_from_card(checkpoint[CARD], None)
     return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
-                      max_tokens=crm.max_tokens, extra=extra)
+                      max_tokens=crm.max_tokens,
+                      adapters=(model_weights(checkpoint), record),
+                      extra={"source": str(path), "global_step": checkpoint["global_step"],
+                             "config": checkpoint.get("crm_config"),
+                             "lora": {**record, "form": "adapter"}})

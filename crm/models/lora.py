@@ -213,3 +213,56 @@ def merged_weights(weights: dict[str, torch.Tensor], record: dict,
                 tensor = tensor + cfg.scaling * (b.float() @ a.float())
         merged[name] = tensor
     return merged
+
+
+# -- the adapter form of an export ---------------------------------------------------------------
+
+def peft_config(cfg: LoraConfig, base: str | None = None):
+    """peft's config of these adapters with the head as a module to save: what PeftModel needs
+    to load them onto a base classifier (the head is fully trained, not adapted)."""
+    import peft
+
+    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=list(cfg.target_modules), bias="none",
+                           modules_to_save=["score"], base_model_name_or_path=base)
+
+
+def save_adapters(config, weights: dict[str, torch.Tensor], record: dict, out_dir: Path) -> None:
+    """`weights` (a LoRA checkpoint's: adapters, head) as peft's adapter directory
+    (adapter_config.json, adapter_model.safetensors), written by peft itself from a PeftModel
+    built on the meta device: the base is never read or allocated."""
+    import peft
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    model.name_or_path = record["base"]  # peft writes it as the adapters' base_model_name_or_path
+    model = peft.get_peft_model(model, peft_config(LoraConfig(**record["config"]), record["base"]),
+                                adapter_name=ADAPTER)
+    trained = {name: tensor for name, tensor in weights.items() if is_trained(name)}
+    # The checkpoint's names are the classifier's; PeftModel's put the base under
+    # base_model.model and the head's trained copy under score.modules_to_save.<adapter>.
+    state = {f"base_model.model.{name}": tensor for name, tensor in trained.items() if is_adapter(name)}
+    state |= {f"base_model.model.score.modules_to_save.{ADAPTER}.{name.split('.', 1)[1]}": tensor
+              for name, tensor in trained.items() if name.startswith("score.")}
+    missing = set(state) - set(model.state_dict())
+    if missing:
+        raise ValueError(f"adapter export: {sorted(missing)[:3]} not in peft's model")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.save_pretrained(out_dir)
+
+
+def load_adapters(export_dir: Path, record: dict, dtype: torch.dtype, attention: str):
+    """The plain classifier of an adapter export: its base (checked against the fingerprint)
+    rounded to the base dtype as in training, the adapters merged in float32 by peft, then
+    `dtype`."""
+    import peft
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    base = check_base(record)
+    config = AutoConfig.from_pretrained(export_dir, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        base, config=config, dtype=DTYPES[record["config"]["base_dtype"]],
+        attn_implementation=attention, local_files_only=True).float()
+    model = peft.PeftModel.from_pretrained(model, export_dir, adapter_name=ADAPTER)
+    return model.merge_and_unload().to(dtype)

@@ -91,7 +91,7 @@ class CRMModule(L.LightningModule):
         if stored["config"] != self.lora["config"]:
             raise ConfigError(f"resume: the checkpoint's LoRA settings {stored['config']} differ "
                               f"from this run's {self.lora['config']}")
-        if (stored["base"], stored["fingerprint"]) != (self.lora["base"], self.lora["fingerprint"]):
+        if stored["fingerprint"] != self.lora["fingerprint"]:  # a moved base is the same base
             raise ConfigError(f"resume: the checkpoint's LoRA adapters trained on the base "
                               f"{stored['base']} (fingerprint {stored['fingerprint']}), this run's "
                               f"base is {self.lora['base']} ({self.lora['fingerprint']}): a changed "
