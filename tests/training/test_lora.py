@@ -148,6 +148,14 @@ def test_adapter_export_reloads_through_peft_scorer_and_reward(one_process, tmp_
     merged, kept = (CRMScorer.load(d, batch_size=4) for d in (one_process / "export", adapters))
     pair = (["concise"], "boil an egg?", "nine minutes", "no idea")
     assert abs(merged.compare(*pair) - kept.compare(*pair)) <= 1e-6  # peft's merge, crm's merge
+    # crm-eval's metrics (crm.evaluation.accuracy) of the adapter form: the merged export's, which
+    # crm-train's own evaluation computed.
+    from crm.evaluation.accuracy import evaluate_files
+
+    evaluated = json.loads((one_process / "metrics.json").read_text())["eval"]
+    again, _ = evaluate_files(kept, list(evaluated))
+    for file, figures in evaluated.items():
+        assert again[file]["accuracy_mean"] == figures["accuracy_mean"], file
     rewards = [CRMReward(d, "reference")(prompts=["boil an egg?"], completions=["nine minutes"],
                                          criteria=[["concise"]], reference=["no idea"])
                for d in (one_process / "export", adapters)]
