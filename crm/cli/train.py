@@ -202,6 +202,7 @@ def train(cfg: DictConfig) -> dict | None:
                   "resumed_from": resumed_from, "micro_batch_size": micro_batch,
                   "accumulation": accum, "world_size": trainer.world_size,
                   "per_rank_memory": callbacks["sharding"].per_rank,
+                  "lora_trainable_parameters": lora and lora["trainable_parameters"],
                   "throughput": throughput.last if throughput else None,
                   "wall_seconds": round(time.time() - started, 1)},
     }

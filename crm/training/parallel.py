@@ -189,7 +189,7 @@ class FSDPStrategy(ModelParallelStrategy):
         checkpoint for every parameter and fails on the first base weight."""
         module = self.lightning_module
         path = Path(self.broadcast(str(checkpoint_path)))
-        if module.saves_frozen or not path.is_dir():
+        if getattr(module, "saves_frozen", True) or not path.is_dir():
             return super().load_checkpoint(path, weights_only)
         import torch
         import torch.distributed.checkpoint as dcp

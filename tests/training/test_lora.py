@@ -102,6 +102,7 @@ def test_only_adapters_and_head_train_and_are_saved(one_process, base):
     record = ckpt[LORA]
     assert record["fingerprint"] == fingerprint(base) and record["base"] == str(base.resolve())
     assert sum(t.numel() for t in weights.values()) == record["trainable_parameters"]
+    assert metrics["train"]["lora_trainable_parameters"] == record["trainable_parameters"]
     assert {n.rsplit(".", 3)[0].rsplit(".", 1)[-1] for n in weights if is_adapter(n)} == set(
         LoraConfig().target_modules)
     (optimizer,) = ckpt["optimizer_states"]
