@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from crm.models.backbone import DTYPES, build_classifier
+from crm.models.backbone import DTYPES, build_classifier, load_pretrained
 from crm.models.heads import PairwiseCRM, PointwiseCRM
-from crm.models.lora import LoraConfig, add_adapters
+from crm.models.lora import LoraConfig, add_adapters, init_adapters
 
 KINDS = ("pairwise", "pointwise")
 
@@ -61,9 +61,20 @@ def build_crm(model: ModelConfig, loss: LossConfig, *, num_labels: int, pad_toke
     classifier = dict(pad_token_id=pad_token_id, path=model.path,
                       arch=model.architecture(vocab_size), attention=model.attention,
                       dtype=DTYPES[model.dtype], device=device, compiled=compiled)
-    hf = build_classifier(num_labels=num_labels if loss.kind == "pairwise" else 1, **classifier)
-    if lora is not None and lora.enabled:
-        add_adapters(hf, lora, init=torch.device(device or "cpu").type != "meta")
+    labels = num_labels if loss.kind == "pairwise" else 1
+    meta = torch.device(device or "cpu").type == "meta"
+    if lora is None or not lora.enabled:
+        hf = build_classifier(num_labels=labels, **classifier)
+    elif model.path and not meta:
+        # The adapters go in on the meta device, which casts the frozen base to its dtype before
+        # anything is allocated: the weights are read straight into bf16, never a float32 model.
+        hf = build_classifier(num_labels=labels, **{**classifier, "device": "meta"})
+        add_adapters(hf, lora, init=False)
+        hf.to_empty(device=device or "cpu")
+        load_pretrained(hf, model.path)
+        init_adapters(hf)
+    else:
+        hf = add_adapters(build_classifier(num_labels=labels, **classifier), lora, init=not meta)
     if loss.kind == "pairwise":
         return PairwiseCRM(hf)
     return PointwiseCRM(hf, margin=loss.margin, center_coef=loss.center_coef)
