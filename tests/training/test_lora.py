@@ -237,8 +237,16 @@ def test_fsdp_lora_from_a_sharded_load_resumes_to_the_same_curve(demo_root, base
     saved = dcp.FileSystemReader(str(step3)).read_metadata().state_dict_metadata
     weights = [k for k in saved if k.startswith("state_dict.")]
     assert weights and all(is_trained(k) for k in weights)
-    # Its merged export (best.ckpt, consolidated from the shards) loads in plain transformers.
+    # Its merged export (best.ckpt, consolidated from the shards) loads in plain transformers, and
+    # every weight LoRA does not adapt is still the base's: the shards of the frozen base, gathered
+    # in bf16 every step, never changed.
+    from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
     assert AutoModelForSequenceClassification.from_pretrained(
         straight / "export", local_files_only=True).config.num_labels == 2
+    exported, stored = load_file(straight / "export" / "model.safetensors"), load_file(
+        base / "model.safetensors")
+    frozen = [n for n in exported if n != "score.weight"
+              and n.rsplit(".", 2)[-2] not in LoraConfig().target_modules]
+    assert frozen and all(torch.equal(exported[n], stored[n].bfloat16().float()) for n in frozen)
