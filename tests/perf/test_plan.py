@@ -438,3 +438,6 @@ def test_lora_plan_counts_peft_and_fits_one_gpu_as_the_issue_asks(shapes, tmp_pa
     assert rows["qwen3-8b"]["lora"]["fits"]["80"] and not rows["qwen3-8b"]["full"]["fits"]["80"]
     assert rows["qwen3-4b"]["lora"]["fits"]["24"] and not rows["qwen3-4b"]["full"]["fits"]["24"]
     assert "qwen3-8b    lora" in capsys.readouterr().out
+    # Its MFU counts no weight gradient for the frozen base: 4 N + attention a token, not 6 N.
+    full, frozen = (flops_per_token(s, 4096, frozen_base=f) for f in (False, True))
+    assert full - frozen == 2 * s.non_embedding_params
