@@ -182,7 +182,6 @@ class FSDPStrategy(ModelParallelStrategy):
             swap_into_place(partial, final)
         self.barrier()
 
-
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """A LoRA run's sharded checkpoint leaves the frozen base out (CRMModule.on_save_checkpoint):
         its weights are read for the trained parameters only. Lightning's own reader asks the
@@ -198,6 +197,8 @@ class FSDPStrategy(ModelParallelStrategy):
                                                              set_model_state_dict,
                                                              set_optimizer_state_dict)
 
+        from crm.models.checkpoint import SHARDED_META
+
         trained = StateDictOptions(ignore_frozen_params=True)
         state = {"state_dict": get_model_state_dict(self.model, options=trained)}
         dcp.load(state, checkpoint_id=path)
@@ -209,7 +210,7 @@ class FSDPStrategy(ModelParallelStrategy):
             dcp.load(optim_state, checkpoint_id=path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / "meta.pt", weights_only=weights_only)
+        return torch.load(path / SHARDED_META, weights_only=weights_only)
 
 
 def swap_into_place(new: Path, final: Path) -> None:
