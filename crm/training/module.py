@@ -79,8 +79,12 @@ class CRMModule(L.LightningModule):
         return {f"crm.{name}" for name, p in self.crm.named_parameters() if not p.requires_grad}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.check_resume(checkpoint)
+
+    def check_resume(self, checkpoint: dict) -> None:
         """Refuses, in one line, a checkpoint of another kind of run (LoRA vs full, other
-        adapters) or one whose LoRA base is not this run's base."""
+        adapters) or one whose LoRA base is not this run's base. A sharded checkpoint is checked
+        before its weights are read (FSDPStrategy.load_checkpoint), a file before they load."""
         stored = checkpoint.get(LORA)
         if (stored is None) != (self.lora is None):
             kinds = ("a LoRA", "a full-model") if stored else ("a full-model", "a LoRA")

@@ -199,6 +199,8 @@ class FSDPStrategy(ModelParallelStrategy):
 
         from crm.models.checkpoint import SHARDED_META
 
+        metadata = torch.load(path / SHARDED_META, weights_only=weights_only)
+        module.check_resume(metadata)  # another base's adapters may not even have these shapes
         trained = StateDictOptions(ignore_frozen_params=True)
         state = {"state_dict": get_model_state_dict(self.model, options=trained)}
         dcp.load(state, checkpoint_id=path)
@@ -210,7 +212,7 @@ class FSDPStrategy(ModelParallelStrategy):
             dcp.load(optim_state, checkpoint_id=path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / SHARDED_META, weights_only=weights_only)
+        return metadata
 
 
 def swap_into_place(new: Path, final: Path) -> None:
