@@ -1,6 +1,7 @@
 """LoRA (lora.rank > 0, crm/models/lora.py) on a tiny pretrained base written to disk.
 
-One process (train(cfg) in this process): only adapters and head train and only they are saved;
+One process (train(cfg) in this process): only adapters and head train and only they are saved,
+and a single-file checkpoint resumes to the uninterrupted curve;
 the merged export scores as the LoRA model does and plain transformers loads it with its labels;
 the adapter export (peft's form) scores the same through CRMScorer and CRMReward; a changed base
 and bad settings are refused in one line. Two FSDP2 processes (crm-train subprocesses, as
@@ -109,6 +110,20 @@ def test_only_adapters_and_head_train_and_are_saved(one_process, base):
     assert len(optimizer["state"]) == len(weights)  # AdamW states for the trained tensors only
     print("LoRA rank", RANK, "trainable", record["trainable_parameters"], "checkpoint bytes",
           (one_process / "checkpoints" / "last.ckpt").stat().st_size)
+
+
+def test_a_single_file_lora_checkpoint_resumes_to_the_same_curve(one_process, demo_root, base,
+                                                                  tmp_path):
+    run_dir = tmp_path / "run"
+    curve = [f"model.path={base}", "val_every_n_steps=3", "save_every_n_steps=3", "export=false",
+             "evaluate=false"]
+    run_train(demo_root, run_dir, *curve, "trainer.max_steps=3")
+    resumed = run_train(demo_root, run_dir, *curve, "trainer.max_steps=6")
+    assert resumed["train"]["resumed_from"] == str(run_dir / "checkpoints" / "last.ckpt")
+    straight, again = train_losses(one_process), train_losses(run_dir)
+    assert sorted(again) == list(range(1, 7))
+    for step in range(1, 7):
+        assert abs(straight[step] - again[step]) <= 1e-6, (step, straight, again)
 
 
 def test_merged_export_scores_as_the_lora_model_and_loads_in_plain_transformers(one_process, base):
