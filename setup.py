@@ -26,6 +26,8 @@ INSTALL_REQUIRES = [
     # concurrent requests; the standard library's thread per connection spent 40-80% more CPU on
     # 2048 of them (benchmarks/openrlhf_load.py, docs/RL.md). Pure Python (h11, click).
     "uvicorn==0.54.0",
+    # lora.rank > 0: LoRA adapters injected into the decoder's linears (crm/models/lora.py)
+    "peft==0.21.2",
 ]
 APP_REQUIRES = ["gradio==6.31.0"]  # scikit-learn (similarity selection) is a core requirement
 RL_REQUIRES = ["trl==1.16.0"]  # crm-rl and crm.CRMReward with TRL's trainers (datasets comes with it)

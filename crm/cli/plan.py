@@ -4,6 +4,8 @@
     crm-plan table=true [global_batch_size=512 ...]     # step time and MFU, 1-64 nodes, every size
     crm-plan recommend=true model=qwen3-8b trainer.num_nodes=4 global_batch_size=256
                                                        # the crm-train overrides that fit, fastest
+    crm-plan one_gpu=true [lora.rank=16 seq_len=4096]  # which sizes fit one 24/48/80 GiB GPU,
+                                                       # full training vs LoRA
 
 The model is built on the meta device (shapes, no weights): nothing needs a GPU. The formulas and
 their assumptions are in crm/perf/flops.py, crm/perf/memory.py and crm/perf/network.py.
@@ -22,8 +24,10 @@ from crm.cli.common import PathsConfig, one_line_config_errors, register_schema,
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.models.factory import ModelConfig
+from crm.models.lora import LoraConfig
 from crm.perf.flops import ModelShape, flops_per_token, model_shape, peak_flops, tokens_per_s_at
-from crm.perf.memory import PRECISIONS, ROWS_PER_RECORD, STRATEGIES, host_startup_plan, memory_plan
+from crm.perf.memory import (PRECISIONS, ROWS_PER_RECORD, STRATEGIES, decoder_linears, host_startup_plan,
+                             lora_parameters, memory_plan)
 from crm.perf.network import GRAD_SYNCS, Links, choose_sharding, network_plan, sharding_world
 
 
@@ -72,6 +76,9 @@ class PlanConfig:
     table_models: list[str] = MISSING
     recommend: bool = MISSING
     max_micro_batch_size: int = MISSING
+    lora: LoraConfig = field(default_factory=LoraConfig)  # crm-train's section: rank and targets read
+    one_gpu: bool = MISSING
+    one_gpu_sizes_gib: list[float] = MISSING
 
 
 register_schema("plan", PlanConfig)
@@ -117,9 +124,22 @@ def check_settings(cfg) -> None:
             raise ConfigError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
 
 
+def lora_trainable(shape, lora: LoraConfig) -> int | None:
+    """Parameters a LoRA run trains (adapters + head); None for full training (lora.rank 0)."""
+    if not lora.enabled:
+        return None
+    unknown = sorted(set(lora.target_modules) - set(decoder_linears(shape)))
+    if unknown:
+        raise ConfigError(f"lora.target_modules: {', '.join(unknown)} not a linear layer of a Qwen3 "
+                          f"decoder layer ({', '.join(decoder_linears(shape))})")
+    return lora_parameters(shape, lora.rank, lora.target_modules)
+
+
 def evaluate(shape, cfg, *, num_nodes: int, devices: int, sharding: str, micro_batch_size: int,
-             activation_checkpointing: bool, k: int, accumulating: bool, peak: float | None) -> dict:
-    """The memory plan (states over `sharding`'s GPUs) and the network plan of one setting."""
+             activation_checkpointing: bool, k: int, accumulating: bool, peak: float | None,
+             lora: LoraConfig | None = None) -> dict:
+    """The memory plan (states over `sharding`'s GPUs) and the network plan of one setting; the
+    network plan counts full training's gradients (a LoRA run reduces far fewer)."""
     world = num_nodes * devices
     memory = memory_plan(shape, world=sharding_world(sharding, num_nodes, devices) if cfg.strategy == "fsdp"
                          else world, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, kind=cfg.kind,
@@ -130,7 +150,8 @@ def evaluate(shape, cfg, *, num_nodes: int, devices: int, sharding: str, micro_b
                          unsharded_grads=(cfg.strategy == "fsdp" and sharding == "fsdp"
                                           and cfg.grad_sync == "step" and world > 1),
                          gpu_memory_gib=cfg.gpu_memory_gib, headroom_fraction=cfg.headroom_fraction,
-                         reserved_gib=cfg.reserved_gib)
+                         reserved_gib=cfg.reserved_gib,
+                         trainable=lora_trainable(shape, cfg.lora if lora is None else lora))
     network = None
     if cfg.strategy == "fsdp" and peak:
         network = network_plan(shape, num_nodes=num_nodes, devices=devices, seq_len=cfg.seq_len,
@@ -237,6 +258,60 @@ def table(cfg: DictConfig) -> dict:
             "network": vars(cfg.network), "gpu": cfg.gpu, "peak_flops_per_gpu": peak, "rows": rows}
 
 
+ONE_GPU_RANK = 16  # one_gpu=true's LoRA rank when lora.rank is 0
+
+
+def one_gpu(cfg: DictConfig) -> dict:
+    """Which sizes of `table_models` fit ONE GPU of each of `one_gpu_sizes_gib`, full training vs
+    LoRA (lora.rank, or 16; lora.target_modules), at seq_len and micro batch, checkpointing as
+    configured, under `strategy` at world 1 (fsdp: bf16 compute, the meta-device load)."""
+    cfg = settings(cfg)
+    check_settings(cfg)
+    lora = cfg.lora if cfg.lora.enabled else LoraConfig(rank=ONE_GPU_RANK,
+                                                          target_modules=cfg.lora.target_modules)
+    rows = []
+    for name in cfg.table_models:
+        shape = ModelShape.from_arch(name, num_labels=1 if cfg.kind == "pointwise" else 2)
+        row = {"model": name, "params": shape.total_params,
+               "lora_trainable": lora_trainable(shape, lora)}
+        for label, setting in (("full", LoraConfig()), ("lora", lora)):
+            memory = evaluate(shape, cfg, num_nodes=1, devices=1, sharding="fsdp",
+                              micro_batch_size=cfg.micro_batch_size,
+                              activation_checkpointing=cfg.activation_checkpointing, k=1,
+                              accumulating=cfg.global_batch_size is not None, peak=None,
+                              lora=setting)["memory"]
+            row[label] = {"total_gib": memory["total_gib"],
+                          "fits": {f"{gib:g}": memory["total_gib"] <= usable_gib(cfg, gib)
+                                   for gib in cfg.one_gpu_sizes_gib}}
+        rows.append(row)
+    return {"seq_len": cfg.seq_len, "micro_batch_size": cfg.micro_batch_size, "kind": cfg.kind,
+            "precision": cfg.precision, "strategy": cfg.strategy, "compiled": cfg.compile,
+            "activation_checkpointing": cfg.activation_checkpointing, "lora_rank": lora.rank,
+            "lora_targets": list(lora.target_modules), "sizes_gib": list(cfg.one_gpu_sizes_gib),
+            "rows": rows}
+
+
+def usable_gib(cfg, gpu_gib: float) -> float:
+    return gpu_gib * (1.0 - cfg.headroom_fraction) - cfg.reserved_gib  # as memory_plan's `usable`
+
+
+def format_one_gpu(t: dict) -> str:
+    sizes = t["sizes_gib"]
+    head = "".join(f"{f'{g:g} GiB':>9}" for g in sizes)
+    lines = [f"crm-plan one_gpu: one GPU, {t['kind']} rows of {t['seq_len']} tokens, micro batch "
+             f"{t['micro_batch_size']}, {t['precision']} {t['strategy']}, checkpointing "
+             f"{'on' if t['activation_checkpointing'] else 'off'}, layers "
+             f"{'compiled' if t['compiled'] else 'eager'}; LoRA rank {t['lora_rank']} on "
+             f"{', '.join(t['lora_targets'])}, frozen base bf16",
+             f"{'model':<12}{'training':<18}{'trained':>12}{'GiB':>8}{head}"]
+    for r in t["rows"]:
+        for label, trained in (("full", r["params"]), ("lora", r["lora_trainable"])):
+            x = r[label]
+            fits = "".join(f"{'fits' if x['fits'][f'{g:g}'] else 'NO':>9}" for g in sizes)
+            lines.append(f"{r['model']:<12}{label:<18}{trained / 1e6:>11.1f}M{x['total_gib']:>8.1f}{fits}")
+    return "\n".join(lines)
+
+
 def format_table(t: dict) -> str:
     def cell(x):
         if x is None:
@@ -326,6 +401,9 @@ def format_plan(p: dict) -> str:
         sharded += " (HSDP: one node)"
     in_flight = ("unsharded in flight (root + 2 layers, 1 grad)" if fsdp
                  else "bf16 weight copies (autocast)")
+    lora = mem["trainable_params"] < m["total_params"]
+    if lora:  # a LoRA plan: the frozen base in bf16, the adapters and head in the states' dtype
+        pd, gd, od = f"bf16 frozen + {pd} trained", f"{gd}, trained", f"{od}, trained"
     rows = [
         (f"parameters ({pd}{sharded})", mem["params_gib"], ""),
         (f"gradients ({gd}{sharded})", mem["grads_gib"], ""),
@@ -340,6 +418,7 @@ def format_plan(p: dict) -> str:
         ("total, checkpointing off", mem["total_full_gib"],
          f"   fits: {yes[mem['fits_full']]}" + ("" if ckpt else "  <- configured")),
     ]
+    width = max(46, *(len(label) + 1 for label, _, _ in rows))
     host = p["host_startup"]
     host_rows = [
         ("from model.path, each rank reading its slices", host["pretrained_gib"],
@@ -355,11 +434,14 @@ def format_plan(p: dict) -> str:
         f"model: {m['total_params'] / 1e9:.3f} B parameters, {m['non_embedding_params'] / 1e9:.3f} B "
         f"non-embedding; {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads x "
         f"{m['head_dim']} ({m['kv_heads']} kv), intermediate {m['intermediate']}",
+        *([f"LoRA: {mem['trainable_params'] / 1e6:.1f} M parameters trained "
+           f"({100 * mem['trainable_params'] / m['total_params']:.2f}%); the network plan counts "
+           "full training's gradients"] if lora else []),
         f"activations: {mem['layer_bytes_per_token']:,} bytes per token per decoder layer "
         f"({mem['compute']}, {'compiled' if mem['compiled'] else 'eager'}; crm/perf/memory.py)",
         "",
-        f"{'per GPU':<46}{'GiB':>8}",
-        *(f"{label:<46}{gib:>8.2f}{note}" for label, gib, note in rows),
+        f"{'per GPU':<{width}}{'GiB':>8}",
+        *(f"{label:<{width}}{gib:>8.2f}{note}" for label, gib, note in rows),
         f"usable: {mem['usable_gib']:.1f} of {mem['gpu_memory_gib']:g} GiB "
         f"({mem['headroom_fraction']:.0%} headroom, {mem['reserved_gib']:g} GiB reserved); "
         f"states on all GPUs {mem['states_all_gpus_gib']:.1f} GiB",
@@ -411,6 +493,10 @@ def main(cfg: DictConfig) -> None:
         result = table(cfg)
         write_json(path, result)
         print(format_table(result))
+    elif cfg.one_gpu:
+        result = one_gpu(cfg)
+        write_json(path, result)
+        print(format_one_gpu(result))
     elif cfg.recommend:
         result = recommend(cfg)
         write_json(path, result)

@@ -35,6 +35,7 @@ from crm.inference.scorer import CRMScorer
 from crm.models import compile as compiling
 from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
 from crm.models.factory import LossConfig, ModelConfig, build_crm
+from crm.models.lora import LoraConfig, base_record, trainable_counts
 from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training.callbacks import CheckpointCard, ExportBest, ShardingReport
 from crm.training.datamodule import CRMDataModule
@@ -124,6 +125,7 @@ class TrainConfig:
     template: PromptTemplate = field(default_factory=PromptTemplate)
     compile: Any = MISSING  # auto, true or false (crm.models.compile); Any: a str would take true as "True"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     preemption: PreemptionConfig = MISSING
     perf: PerfConfig = MISSING
     callbacks: dict[str, Any] = MISSING  # name -> a `_target_` spec
@@ -168,11 +170,12 @@ def train(cfg: DictConfig) -> dict | None:
                                 partial(choose_sharding, run, len(tokenizer), micro_batch, compile))
     run_config = OmegaConf.to_container(cfg, resolve=True)
     run_config["parallel"]["sharding"] = parallel.sharding  # what ran, not "auto"
-    module = CRMModule(partial(build_crm, run.model, run.loss,
-                               num_labels=datamodule.transform.num_labels,
-                               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
-                               compiled=compile),
-                       run.optim, parallel, run_config=run_config, compile=compile)
+    make_crm = partial(build_crm, run.model, run.loss, num_labels=datamodule.transform.num_labels,
+                       pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                       compiled=compile, lora=run.lora)
+    lora = lora_record(run, make_crm)
+    module = CRMModule(make_crm, run.optim, parallel, run_config=run_config, compile=compile,
+                       lora=lora)
     sweep = sweep_info(run)
     logger = make_logger(run.logger, run_dir, run.name, sweep)
     if logger:
@@ -199,6 +202,7 @@ def train(cfg: DictConfig) -> dict | None:
                   "resumed_from": resumed_from, "micro_batch_size": micro_batch,
                   "accumulation": accum, "world_size": trainer.world_size,
                   "per_rank_memory": callbacks["sharding"].per_rank,
+                  "lora_trainable_parameters": lora and lora["trainable_parameters"],
                   "throughput": throughput.last if throughput else None,
                   "wall_seconds": round(time.time() - started, 1)},
     }
@@ -254,6 +258,21 @@ def check_config(cfg: DictConfig) -> None:
     if not cfg.data.demo and not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
                           "`crm-data shard FILE.jsonl DIR`)")
+
+
+def lora_record(run: TrainConfig, make_crm) -> dict | None:
+    """A LoRA run's record of its adapters and base (crm.models.lora.base_record), after checking
+    on the meta device that the model has the target modules; None for full training."""
+    if not run.lora.enabled:
+        return None
+    try:  # shapes only: a model without the target modules stops here, before the trainer starts
+        counts = trainable_counts(make_crm(device="meta"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    log.info("LoRA rank %d on %s: %d of %d parameters trained (%.2f%%, adapters + head)",
+             run.lora.rank, ", ".join(run.lora.target_modules), counts["trainable"],
+             counts["total"], 100 * counts["trainable"] / counts["total"])
+    return {**base_record(run.lora, run.model.path), "trainable_parameters": counts["trainable"]}
 
 
 def choose_sharding(run: TrainConfig, vocab_size: int, micro_batch: int, compiled: bool,

@@ -154,7 +154,10 @@ def load_pretrained(model, path: str | Path) -> None:
     if not stored:
         raise FileNotFoundError(f"{path}: no *.safetensors weights (save the checkpoint with "
                                 "safetensors: save_pretrained does by default)")
-    state = model.state_dict()
+    # A LoRA model (crm.models.lora) reads its base into `X.base_layer.weight` from `X.weight`;
+    # its adapters are not in any base checkpoint.
+    state = {name.replace(".base_layer.", "."): tensor for name, tensor in model.state_dict().items()
+             if ".lora_A." not in name and ".lora_B." not in name}
     wanted = {name: tensor for name, tensor in state.items() if name != HEAD}
     missing = [name for name in wanted if name not in stored]
     other_shape = [f"{name} {stored[name][1]} (model {tuple(tensor.shape)})"

@@ -25,6 +25,7 @@ PREFIX = "crm.model."  # where the LightningModule keeps the HF model's weights
 CARD = "crm_card"
 CARD_VERSION = 1
 SHARDED_META = "meta.pt"  # Lightning writes it last into a sharded checkpoint dir
+LORA = "crm_lora"  # a LoRA run's adapters and base (crm.models.lora.base_record)
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:
@@ -95,8 +96,9 @@ class LoadedCRM(NamedTuple):
     max_tokens: int
 
 
-def build_from_card(card: dict, weights: dict, dtype: torch.dtype | None = None) -> LoadedCRM:
-    """The HF classifier of `card` holding `weights` (in their own dtype unless `dtype` is given)."""
+def build_from_card(card: dict, weights: dict | None, dtype: torch.dtype | None = None) -> LoadedCRM:
+    """The HF classifier of `card` holding `weights` (in their own dtype unless `dtype` is given);
+    weights=None: on the meta device, its config and tokenizer only."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     if card.get("version") != CARD_VERSION:
@@ -107,30 +109,66 @@ def build_from_card(card: dict, weights: dict, dtype: torch.dtype | None = None)
             (Path(tmp) / name).write_bytes(data)
         config = AutoConfig.from_pretrained(tmp, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
-    dtype = dtype or next(t.dtype for t in weights.values() if t.is_floating_point())
-    model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-    model.load_state_dict(weights)
+    if weights is None:
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        dtype = dtype or next(t.dtype for t in weights.values() if t.is_floating_point())
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        model.load_state_dict(weights)
     return LoadedCRM(model.eval(), tokenizer, PromptTemplate(**card["template"]), card["kind"],
                      card["max_tokens"])
 
 
-def load_crm(path: str | Path, dtype: torch.dtype | None = None) -> tuple[LoadedCRM, dict]:
-    """(the CRM, the checkpoint's other contents) from any checkpoint crm-train writes."""
+def load_crm(path: str | Path, dtype: torch.dtype | None = None,
+             base: str | Path | None = None) -> tuple[LoadedCRM, dict]:
+    """(the CRM, the checkpoint's other contents) from any checkpoint crm-train writes. A LoRA
+    checkpoint's adapters are merged into its base (crm.models.lora.merged_weights), read from
+    the dir it trained on or from `base` where that has moved."""
     checkpoint = load_checkpoint(path)
     if CARD not in checkpoint:
         raise ValueError(f"{path}: no {CARD} in the checkpoint (not written by crm-train, or by "
                          "a crm older than self-describing checkpoints)")
-    crm = build_from_card(checkpoint.pop(CARD), model_weights(checkpoint), dtype)
+    weights = model_weights(checkpoint)
+    if checkpoint.get(LORA):
+        from crm.models.lora import merged_weights
+
+        weights = merged_weights(weights, checkpoint[LORA], base)
+    crm = build_from_card(checkpoint.pop(CARD), weights, dtype)
     del checkpoint["state_dict"]
     return crm, checkpoint
 
 
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Any checkpoint crm-train writes -> a HF directory with crm.json (crm.models.export)."""
+def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | None = None,
+                      adapters: bool = False) -> Path:
+    """Any checkpoint crm-train writes -> a HF directory with crm.json (crm.models.export). A LoRA
+    checkpoint's adapters are merged into the base (`base`: its dir, where it has moved), or with
+    `adapters` kept as peft's adapter directory on the base the checkpoint names."""
     from crm.models.export import export_crm
 
-    crm, checkpoint = load_crm(path)
+    if not adapters:
+        crm, checkpoint = load_crm(path, base=base)
+        extra = {"source": str(path), "global_step": checkpoint["global_step"],
+                 "config": checkpoint.get("crm_config")}
+        if checkpoint.get(LORA):
+            extra["lora"] = {**checkpoint[LORA], "form": "merged"}
+        return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
+                          max_tokens=crm.max_tokens, extra=extra)
+    checkpoint = load_checkpoint(path)
+    record = checkpoint.get(LORA)
+    if not record:
+        raise ValueError(f"{path}: not a LoRA checkpoint: it has no adapters to keep (export it "
+                         "without --adapters)")
+    if record["base"] is None:
+        raise ValueError(f"{path}: its LoRA base was built from model.arch (random init) and has "
+                         "no directory for the adapters to name: export it merged")
+    from crm.models.lora import check_base
+
+    record = {**record, "base": str(check_base(record, base))}
+    crm = build_from_card(checkpoint[CARD], None)
     return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
                       max_tokens=crm.max_tokens,
+                      adapters=(model_weights(checkpoint), record),
                       extra={"source": str(path), "global_step": checkpoint["global_step"],
-                             "config": checkpoint.get("crm_config")})
+                             "config": checkpoint.get("crm_config"),
+                             "lora": {**record, "form": "adapter"}})

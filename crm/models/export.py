@@ -22,14 +22,22 @@ LABEL_NAMES = {1: ["reward"], 2: ["model_a", "model_b"], 3: ["model_a", "model_b
 
 
 def export_crm(model, tokenizer, out_dir: str | Path, *, kind: str, template: PromptTemplate,
-               max_tokens: int, extra: dict | None = None) -> Path:
-    """Write `model` (a Qwen3ForSequenceClassification) to `out_dir`."""
+               max_tokens: int, extra: dict | None = None, adapters: tuple | None = None) -> Path:
+    """Write `model` (a Qwen3ForSequenceClassification) to `out_dir`. `adapters`: (weights,
+    record) of a LoRA checkpoint, written in peft's adapter form (crm.models.lora.save_adapters)
+    in place of the model's weights; `model` may then be a meta-device one (its config is read)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = LABEL_NAMES[model.config.num_labels]
     model.config.id2label = dict(enumerate(names))
     model.config.label2id = {n: i for i, n in enumerate(names)}
-    model.save_pretrained(out)
+    if adapters is None:
+        model.save_pretrained(out)
+    else:
+        from crm.models.lora import save_adapters
+
+        model.config.save_pretrained(out)  # the classifier's: labels, pad id (load_adapters reads it)
+        save_adapters(model.config, *adapters, out)
     tokenizer.save_pretrained(out)
     meta = {"format_version": FORMAT_VERSION, "kind": kind, "labels": names,
             "template": asdict(template), "max_tokens": max_tokens, **(extra or {})}
@@ -52,7 +60,13 @@ def read_meta(export_dir: str | Path) -> dict:
 def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32, attention: str = "sdpa"):
     """(model, tokenizer, template, meta) from an export directory, offline."""
     meta = read_meta(export_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        export_dir, dtype=dtype, attn_implementation=attention, local_files_only=True)
+    lora = meta.get("lora")
+    if lora and lora["form"] == "adapter":  # peft's adapters and head, on the base they name
+        from crm.models.lora import load_adapters
+
+        model = load_adapters(Path(export_dir), lora, dtype, attention)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            export_dir, dtype=dtype, attn_implementation=attention, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
     return model.eval(), tokenizer, PromptTemplate(**meta["template"]), meta

@@ -96,10 +96,15 @@ def attention_flops_per_token(shape: ModelShape, seq_len: float) -> float:
     return 12.0 * shape.layers * shape.heads * shape.head_dim * seq_len
 
 
-def flops_per_token(shape: ModelShape, seq_len: float, *, training: bool = True) -> float:
-    """6 N + 12 L H d S for a training step (forward + backward); a third of it for a forward."""
+def flops_per_token(shape: ModelShape, seq_len: float, *, training: bool = True,
+                    frozen_base: bool = False) -> float:
+    """6 N + 12 L H d S for a training step (forward + backward); a third of it for a forward.
+    `frozen_base` (LoRA): 4 N + 12 L H d S, the backward computing the activations' gradients
+    but no weight gradient of the frozen matrices (the adapters' few FLOPs left out)."""
     train = 6.0 * shape.non_embedding_params + attention_flops_per_token(shape, seq_len)
-    return train if training else train / 3.0
+    if not training:
+        return train / 3.0
+    return train - 2.0 * shape.non_embedding_params if frozen_base else train
 
 
 def detect_gpu() -> str | None:

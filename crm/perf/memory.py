@@ -53,6 +53,15 @@ It fits if the total is at most the GPU memory less a `headroom_fraction` (defau
 allocator's fragmentation and the plan's error, docs/PERFORMANCE.md section 4 compares it with
 torch's measured peaks) and a fixed `reserved_gib` (default 2 GiB: CUDA context, NCCL buffers).
 
+LoRA (`trainable`: crm.models.lora, lora.rank > 0): T = adapters + head (lora_parameters) train,
+the model's other parameters are frozen in bf16 (lora.base_dtype): they hold 2 bytes each, sharded
+like any parameter, and no gradient, no AdamW moments, no fp32 master copy. Gradients and
+optimizer states are T's only; FSDP's in-flight gradient is one layer's share of T. The base and
+so the residual stream are bf16 whatever the trainer's precision, so the layers compute as `bf16`
+(no autocast copies of weights already in bf16). Activations: the full model's measured forms, an
+upper bound: a frozen linear needs no copy of its input for a weight gradient, but the adapter
+beside it (A, dropout 0) keeps that same tensor, and B keeps its rank-wide input (negligible).
+
 Host memory of one node at start-up (`host_startup_plan`), D = GPUs per node, c = bytes per
 parameter of the checkpoint (2: Qwen3 releases are bf16), p = of the parameters:
 - from a checkpoint (model.path; crm.training.parallel.build_sharded): each rank reads only the
@@ -138,12 +147,30 @@ def activation_bytes(shape: ModelShape, *, seq_len: int, rows: int, mode: str, c
     return rows * seq_len * (per_token + rest_bytes(shape, mode))
 
 
+# The linear layers of a Qwen3 decoder layer: (in, out) features from the shape's sizes.
+def decoder_linears(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    h, q, k, i = (shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
+                  shape.intermediate)
+    return {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def lora_parameters(shape: ModelShape, rank: int, targets) -> int:
+    """What LoRA trains: rank x (in + out) per adapted linear of every layer, and the head."""
+    linears = decoder_linears(shape)
+    adapters = sum(rank * sum(linears[name]) for name in targets)
+    return shape.layers * adapters + shape.hidden * shape.num_labels
+
+
+FROZEN_BYTES = 2  # a LoRA run's frozen base: bf16 (lora.base_dtype)
+
+
 def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size: int = 1,
                 kind: str = "pairwise", precision: str = "bf16-mixed", strategy: str = "fsdp",
                 activation_checkpointing: bool = True, compiled: bool = False,
                 attention: str = "sdpa", accumulating: bool = True, unsharded_grads: bool = False,
                 gpu_memory_gib: float = 80.0, headroom_fraction: float = 0.10,
-                reserved_gib: float = 2.0) -> dict:
+                reserved_gib: float = 2.0, trainable: int | None = None) -> dict:
     """The per-GPU plan: GiB per term, totals with and without checkpointing, and `fits`.
 
     `total_gib` and `fits` are for the configured `activation_checkpointing`; the `_checkpointed`
@@ -160,23 +187,30 @@ def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size
                          "each must be at least 1")
     b, mode = PRECISIONS[precision], compute_mode(precision, strategy)
     P = shape.total_params
+    # T trains; a LoRA run's frozen bf16 base is everything of the model but its head (the
+    # adapters are T's, on top of P).
+    T, frozen = P, 0
+    if trainable is not None:
+        T, frozen, mode = trainable, P - shape.hidden * shape.num_labels, "bf16"
+    stored = T * b.param + frozen * FROZEN_BYTES
     shards = world if strategy == "fsdp" else 1
     rows = micro_batch_size * ROWS_PER_RECORD[kind]
     in_flight = copies = 0
     if strategy == "fsdp":
-        in_flight = (shape.root_params + 2 * shape.layer_params) * b.compute + shape.layer_params * b.grad
+        layer_grads = shape.layer_params if trainable is None else T / shape.layers
+        in_flight = (shape.root_params + 2 * shape.layer_params) * b.compute + layer_grads * b.grad
     elif mode == "autocast":
         copies = shape.layers * shape.layer_params * 2
     activations = {ckpt: activation_bytes(shape, seq_len=seq_len, rows=rows, mode=mode,
                                           compiled=compiled, checkpointing=ckpt, attention=attention)
                    for ckpt in (True, False)}
     gib = {
-        "params": P * b.param / shards,
-        "grads": P * b.grad / shards,
-        "optimizer": P * b.optimizer / shards,
+        "params": stored / shards,
+        "grads": T * b.grad / shards,
+        "optimizer": T * b.optimizer / shards,
         "unsharded": in_flight,
         "weight_copies": copies,
-        "accumulated_grads": P * b.grad if unsharded_grads and accumulating else 0,
+        "accumulated_grads": T * b.grad if unsharded_grads and accumulating else 0,
         "activations_checkpointed": activations[True],
         "activations_full": activations[False],
     }
@@ -207,7 +241,8 @@ def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size
         "bytes_per_param": {"param": b.param, "grad": b.grad, "optimizer": b.optimizer,
                             "compute": b.compute},
         "layer_bytes_per_token": layer_bytes(shape, mode, compiled),
-        "states_all_gpus_gib": P * (b.param + b.grad + b.optimizer) / GIB,
+        "trainable_params": T,
+        "states_all_gpus_gib": (stored + T * (b.grad + b.optimizer)) / GIB,
         **{f"{name}_gib": value for name, value in gib.items()},
         "states_gib": states,
         "total_checkpointed_gib": total_ckpt,

@@ -10,6 +10,7 @@ import torch
 
 from crm.models.checkpoint import CARD, build_from_card, describe, export_checkpoint
 from crm.models.export import export_crm
+from crm.models.lora import merged_weights
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,14 @@ class ExportBest(L.Callback):
         if best:
             export_checkpoint(best, self.out_dir)
             return
+        extra = {"source": "final weights (no validation checkpoint)",
+                 "global_step": trainer.global_step, "config": pl_module.run_config}
+        if pl_module.lora:  # the adapters merged into the base, as crm-export does
+            final = merged_weights(final, pl_module.lora)
+            extra["lora"] = {**pl_module.lora, "form": "merged"}
         crm = build_from_card(self.card.card(pl_module), final)
         export_crm(crm.model, crm.tokenizer, self.out_dir, kind=crm.kind, template=crm.template,
-                   max_tokens=crm.max_tokens,
-                   extra={"source": "final weights (no validation checkpoint)",
-                          "global_step": trainer.global_step, "config": pl_module.run_config})
+                   max_tokens=crm.max_tokens, extra=extra)
 
 
 def full_model_state(pl_module) -> dict:

@@ -8,6 +8,8 @@ import lightning as L
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+from crm.core.errors import ConfigError
+from crm.models.checkpoint import LORA
 from crm.training.parallel import ParallelConfig, build_sharded, data_parallel_mesh, prepare_layers
 
 
@@ -34,12 +36,19 @@ class CRMModule(L.LightningModule):
 
     def __init__(self, build_crm: Callable[[], torch.nn.Module], optim: OptimConfig,
                  parallel: ParallelConfig | None = None, run_config: dict | None = None,
-                 compile: bool = False):
+                 compile: bool = False, lora: dict | None = None):
         super().__init__()
         self.build_crm, self.optim = build_crm, optim
         self.parallel = parallel or ParallelConfig()
         self.run_config = run_config or {}
         self.compile = compile
+        # A LoRA run: what its checkpoints say of their base (crm.models.lora.base_record). A base
+        # read from a checkpoint dir stays out of them (adapters, head and optimizer only), so
+        # resuming loads a partial state dict: `strict_loading` off, and on_load_checkpoint checks
+        # the base and the trained names itself.
+        self.lora = lora
+        self.saves_frozen = not (lora and lora["base"])
+        self.strict_loading = self.saves_frozen
         self.crm: torch.nn.Module | None = None
         # Running sums (the CRM's metrics, then the example count) between their reductions.
         self._train_sums: torch.Tensor | None = None
@@ -58,6 +67,45 @@ class CRMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["crm_config"] = self.run_config
+        if self.lora is None:
+            return
+        checkpoint[LORA] = self.lora
+        if not self.saves_frozen:
+            frozen = self.frozen_names()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
+                                        if k not in frozen}
+
+    def frozen_names(self) -> set[str]:
+        return {f"crm.{name}" for name, p in self.crm.named_parameters() if not p.requires_grad}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.check_resume(checkpoint)
+
+    def check_resume(self, checkpoint: dict) -> None:
+        """Refuses, in one line, a checkpoint of another kind of run (LoRA vs full, other
+        adapters) or one whose LoRA base is not this run's base. A sharded checkpoint is checked
+        before its weights are read (FSDPStrategy.load_checkpoint), a file before they load."""
+        stored = checkpoint.get(LORA)
+        if (stored is None) != (self.lora is None):
+            kinds = ("a LoRA", "a full-model") if stored else ("a full-model", "a LoRA")
+            raise ConfigError(f"resume: the checkpoint is {kinds[0]} run's, this run is {kinds[1]} "
+                              "run (lora.rank); resume with the same setting or resume=false")
+        if stored is None:
+            return
+        if stored["config"] != self.lora["config"]:
+            raise ConfigError(f"resume: the checkpoint's LoRA settings {stored['config']} differ "
+                              f"from this run's {self.lora['config']}")
+        if stored["fingerprint"] != self.lora["fingerprint"]:  # a moved base is the same base
+            raise ConfigError(f"resume: the checkpoint's LoRA adapters trained on the base "
+                              f"{stored['base']} (fingerprint {stored['fingerprint']}), this run's "
+                              f"base is {self.lora['base']} ({self.lora['fingerprint']}): a changed "
+                              "base would make the adapters meaningless")
+        if not self.saves_frozen and "state_dict" in checkpoint:  # a single file: checked here
+            wanted = set(self.state_dict()) - self.frozen_names()
+            missing = sorted(wanted - set(checkpoint["state_dict"]))
+            if missing:
+                raise ConfigError(f"resume: {len(missing)} trained weights missing from the "
+                                  f"checkpoint, e.g. {missing[0]}")
 
     # -- the loss: the sum over a step's examples / their global count --------------------------
 

@@ -115,6 +115,7 @@ def build_sharded(build_crm: Callable[..., nn.Module], mesh, cfg: ParallelConfig
     process's (a randomly initialised model is a small one).
     """
     from crm.models.backbone import load_pretrained
+    from crm.models.lora import init_adapters, is_adapter
 
     crm = build_crm(device="meta")
     pretrained = crm.model.name_or_path  # set by a build from a checkpoint, empty for an arch
@@ -125,6 +126,8 @@ def build_sharded(build_crm: Callable[..., nn.Module], mesh, cfg: ParallelConfig
     if pretrained:
         crm.to_empty(device=mesh.device_type)  # this rank's shards, on its current device
         load_pretrained(crm.model, pretrained)
+        if any(is_adapter(name) for name, _ in crm.named_parameters()):
+            init_adapters(crm.model)  # LoRA's adapters, allocated but not drawn on the meta device
     return crm
 
 
@@ -178,6 +181,38 @@ class FSDPStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             swap_into_place(partial, final)
         self.barrier()
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """A LoRA run's sharded checkpoint leaves the frozen base out (CRMModule.on_save_checkpoint):
+        its weights are read for the trained parameters only. Lightning's own reader asks the
+        checkpoint for every parameter and fails on the first base weight."""
+        module = self.lightning_module
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if getattr(module, "saves_frozen", True) or not path.is_dir():
+            return super().load_checkpoint(path, weights_only)
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict,
+                                                             set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        from crm.models.checkpoint import SHARDED_META
+
+        metadata = torch.load(path / SHARDED_META, weights_only=weights_only)
+        module.check_resume(metadata)  # another base's adapters may not even have these shapes
+        trained = StateDictOptions(ignore_frozen_params=True)
+        state = {"state_dict": get_model_state_dict(self.model, options=trained)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["state_dict"],
+                             options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        for i, optimizer in enumerate(self.optimizers):  # as Lightning's reader: one at a time
+            key = f"optimizer_{i}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optim_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return metadata
 
 
 def swap_into_place(new: Path, final: Path) -> None:

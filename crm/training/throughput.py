@@ -10,10 +10,11 @@
     perf/graph_breaks          crm.models.compile), graph breaks and compile seconds; logged when
     perf/compile_seconds       any was built, with a warning past crm.models.compile.RECOMPILE_WARNING
 
-FLOPs per token are crm.perf.flops' 6 N + 12 L H d S, with S the mean real row length of the window
-(real tokens / rows). A window runs from one logging point to the next, timed with
-time.perf_counter on each rank, less the time spent in validation. Counts are summed on the
-device and reduced once per logging point, so nothing synchronises at other steps.
+FLOPs per token are crm.perf.flops' 6 N + 12 L H d S (4 N + ... with LoRA's frozen base), with S
+the mean real row length of the window (real tokens / rows). A window runs from one logging point
+to the next, timed with time.perf_counter on each rank, less the time spent in validation. Counts
+are summed on the device and reduced once per logging point, so nothing synchronises at other
+steps.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Throughput(L.Callback):
         self.every, self.gpu, self.peak_override, self.clock = log_every_n_steps, gpu, peak_flops, clock
         self.peak: float | None = None  # per device, resolved at train start
         self.shape: ModelShape | None = None
+        self.frozen_base = False
         self.last: dict = {}  # the latest logged figures (mfu None when no peak)
         self._real: torch.Tensor | None = None  # real tokens of the window, on the device
         self._host = [0, 0, 0]  # padded tokens, rows, samples of the window
@@ -59,6 +61,8 @@ class Throughput(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.shape is None:
             self.shape = ModelShape.from_config(pl_module.crm.model.config)
+            # LoRA: frozen weights take no weight gradient, so a step costs 4 N, not 6 N, a token.
+            self.frozen_base = any(not p.requires_grad for p in pl_module.crm.parameters())
         self.peak = peak_flops(self.gpu, self.peak_override)
         if self._compiled_before is None:
             self._compiled_before = compile_stats()
@@ -107,7 +111,7 @@ class Throughput(L.Callback):
             return
         world = trainer.world_size
         seq_len = real / rows  # mean real row length: the S of the attention term
-        per_token = flops_per_token(self.shape, seq_len)
+        per_token = flops_per_token(self.shape, seq_len, frozen_base=self.frozen_base)
         tokens_per_s = real / elapsed
         figures = {
             "perf/tokens_per_s": tokens_per_s,

@@ -415,3 +415,31 @@ def test_crm_plan_network_table_and_recommend(tmp_path, capsys):
     best = rec["best"]
     assert best["sharding"] == "hsdp" and not best["activation_checkpointing"]
     assert best["mfu"] >= max(c["mfu"] for c in rec["candidates"]) * 0.98
+
+
+# -- LoRA -----------------------------------------------------------------------------------------
+
+def test_lora_plan_counts_peft_and_fits_one_gpu_as_the_issue_asks(shapes, tmp_path, capsys):
+    from crm.models.factory import LossConfig, ModelConfig, build_crm
+    from crm.models.lora import DECODER_LINEARS, LoraConfig, trainable_counts
+    from crm.perf.memory import lora_parameters
+
+    # The plan's count of what LoRA trains is peft's (a meta-device build).
+    crm = build_crm(ModelConfig(arch="qwen3-0.6b", attention="sdpa"), LossConfig(), num_labels=2,
+                    pad_token_id=0, device="meta", lora=LoraConfig(rank=16))
+    assert lora_parameters(shapes["qwen3-0.6b"], 16, DECODER_LINEARS) == trainable_counts(crm)["trainable"]
+    # The frozen base: 2 bytes a parameter, no gradient or moments.
+    s, T = shapes["qwen3-8b"], lora_parameters(shapes["qwen3-8b"], 16, DECODER_LINEARS)
+    lora = memory_plan(s, world=1, seq_len=4096, trainable=T)
+    frozen = s.total_params - s.hidden * s.num_labels
+    assert lora["params_gib"] * GIB == pytest.approx(frozen * 2 + T * 4)
+    assert lora["grads_gib"] * GIB == pytest.approx(T * 4) and lora["compute"] == "bf16"
+    _, table = run_plan(tmp_path, "one_gpu=true", "seq_len=4096")
+    rows = {r["model"]: r for r in table["rows"]}
+    assert table["lora_rank"] == 16
+    assert rows["qwen3-8b"]["lora"]["fits"]["80"] and not rows["qwen3-8b"]["full"]["fits"]["80"]
+    assert rows["qwen3-4b"]["lora"]["fits"]["24"] and not rows["qwen3-4b"]["full"]["fits"]["24"]
+    assert "qwen3-8b    lora" in capsys.readouterr().out
+    # Its MFU counts no weight gradient for the frozen base: 4 N + attention a token, not 6 N.
+    full, frozen = (flops_per_token(s, 4096, frozen_base=f) for f in (False, True))
+    assert full - frozen == 2 * s.non_embedding_params
