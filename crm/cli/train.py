@@ -45,8 +45,8 @@ from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
-from crm.training.trainer import (AgreedResume, batch_plan, device_type, make_trainer, resolve_resume,
-                                  resolve_sharding, world_size)
+from crm.training.trainer import (AgreedResume, batch_plan, device_type, leave_process_group,
+                                  make_trainer, resolve_resume, resolve_sharding, world_size)
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,7 @@ def train(cfg: DictConfig) -> dict | None:
         resume = resolve_resume(run.resume, run_dir)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     resumed_from = resume.decide() if isinstance(resume, AgreedResume) else resume
+    leave_process_group(trainer)
     # Export happened inside fit (ExportBest, run_dir/export): gathering FSDP shards needs every rank.
 
     best, throughput = callbacks["best"], callbacks.get("throughput")

@@ -92,6 +92,19 @@ def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, ca
                      check_val_every_n_epoch=None, default_root_dir=str(run_dir))
 
 
+def leave_process_group(trainer: L.Trainer) -> None:
+    """Every rank leaves the process group together once training is over.
+
+    Lightning destroys the group at exit under NCCL only. A gloo group (CPU runs, and the
+    preemption flags' group on every run) left to interpreter shutdown can abort a finished
+    process, its worker threads outliving the interpreter ("terminate called without an active
+    exception", exit -6), and a scheduler counts that job as failed. The barrier first: no rank
+    closes its connections while another still uses them.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        trainer.strategy.barrier("leave_process_group")
+        torch.distributed.destroy_process_group()
+
 class AgreedResume(os.PathLike):
     """fit's `ckpt_path` when every rank must resume from the same checkpoint: rank 0's choice.
 

@@ -194,6 +194,8 @@ DDP_SCRIPT = textwrap.dedent("""
     trainer.fit(t.module(), train_dataloaders=torch.utils.data.DataLoader(Ranked(), batch_size=None))
     with open(f"result_{trainer.global_rank}.json", "w") as f:
         json.dump(throughput.last, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # gloo's: Lightning leaves it to interpreter exit
 """)
 
 
