@@ -617,6 +617,12 @@ def test_slurm_md_config_keys_and_files_exist():
                 continue  # a plain word, not a key
             if key.startswith(("crm.", "outputs.")):
                 continue
+            if "=" in word and (REPO / "configs" / key).is_dir():  # a config group: experiment=lora
+                for choice in word.split("=", 1)[1].split(","):  # a sweep names several
+                    assert (REPO / "configs" / key / f"{choice}.yaml").is_file(), \
+                        f"SLURM.md chooses `{word}`, which configs/{key} does not have"
+                checked.add(key)
+                continue
             assert any(has_key(c, key) for c in configs), \
                 f"SLURM.md mentions `{key}`, which no config has"
             checked.add(key)

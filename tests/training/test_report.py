@@ -81,13 +81,24 @@ def test_wandb_summary_run_offline(sweep, tmp_path, monkeypatch):
     assert list((tmp_path / "rep" / "wandb").glob("offline-run-*"))
 
 
-EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+# The ablations are the experiments that sweep (hydra.sweeper.params); experiment=lora is one run.
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")
+                     if "hydra" in yaml.safe_load(p.read_text()))
 
 
 def test_every_ablation_has_a_gpu_and_a_cpu_experiment():
     gpu = {e for e in EXPERIMENTS if not e.startswith("cpu_")}
     assert gpu == {"size", "loss", "noise", "direction", "swap"}
     assert {f"cpu_{e}" for e in gpu} <= set(EXPERIMENTS)
+
+
+def test_the_lora_experiment_trains_adapters_for_a_step(tmp_path, demo_root):
+    """experiment=lora on the tiny model, on CPU: its settings compose and train."""
+    metrics = run_train(demo_root, tmp_path / "run", "experiment=lora", "model=tiny", "trainer=cpu",
+                        "data=demo", "logger=none", "stream.num_workers=0", "global_batch_size=4",
+                        "stream.max_tokens=256", "trainer.max_steps=1")
+    assert metrics["train"]["global_step"] == 1
+    assert 0 < metrics["train"]["lora_trainable_parameters"]
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
