@@ -37,6 +37,23 @@ def tiny_tokenizer(vocab_size: int = 300):
     return train_bpe_tokenizer(CORPUS * 4, vocab_size=vocab_size)
 
 
+def save_tiny_base(path: Path) -> Path:
+    """A tiny Qwen3 base model (a causal LM: no classification head) with its tokenizer, as a
+    user's model.path holds one; the same weights each call."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024,
+        pad_token_id=tok.pad_token_id))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def train_dict(key: str, winner: str = "model_a", *, words: int = 0, turns: int = 1,
                n_criteria: int = 2) -> dict:
     """A training-format record whose texts name its key.

@@ -24,15 +24,6 @@ CRITERIA = ["concise answer", "is friendly"]
 PROMPT = "<|im_start|>user\nquestion one<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture
-def server():
-    """The server on 127.0.0.1, a free port, serving a pairwise tiny CRM's `reference` rewards."""
-    reward = CRMReward(tiny_scorer(), "reference")
-    server = make_server(reward, "127.0.0.1", 0, batch_wait=0.05).start()
-    yield reward, server.url
-    server.close()
-
-
 def post(url: str, payload, timeout: float = 30) -> tuple[int, dict]:
     data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -43,8 +34,8 @@ def post(url: str, payload, timeout: float = 30) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def test_openrlhf_request_gets_rewards_scores_and_extra_logs(server):
-    reward, url = server
+def test_openrlhf_request_gets_rewards_scores_and_extra_logs(openrlhf_server):
+    reward, url = openrlhf_server
     labels = [{"criteria": CRITERIA, "reference": "beta reply"},
               json.dumps({"criteria": "is friendly", "reference": "beta reply",
                           "query": "question one"})]  # a label may be a JSON string
@@ -59,9 +50,9 @@ def test_openrlhf_request_gets_rewards_scores_and_extra_logs(server):
     assert answer["scores"] == answer["rewards"] == answer["extra_logs"]["crm_reward"]
 
 
-def test_openrlhf_concurrent_single_sample_requests_each_get_their_own(server):
+def test_openrlhf_concurrent_single_sample_requests_each_get_their_own(openrlhf_server):
     """OpenRLHF posts one sample per request, many at once: they share a batch, not answers."""
-    reward, url = server
+    reward, url = openrlhf_server
     texts = [f"alpha reply {'the a of ' * i}" for i in range(6)]
     results = [None] * len(texts)
 
@@ -91,8 +82,9 @@ def test_openrlhf_concurrent_single_sample_requests_each_get_their_own(server):
     ({"query": [PROMPT + "a"], "prompts": [PROMPT], "labels": [{"criteria": ["c"], "answer": 1}]},
      "unknown label keys"),
 ])
-def test_openrlhf_bad_requests_are_400_with_the_reason_and_logged(server, payload, message, caplog):
-    _, url = server
+def test_openrlhf_bad_requests_are_400_with_the_reason_and_logged(openrlhf_server, payload, message,
+                                                                  caplog):
+    _, url = openrlhf_server
     with caplog.at_level(logging.WARNING, logger="crm.rl.openrlhf"):
         status, answer = post(url, payload)
     assert status == 400 and message in answer["error"]
@@ -103,9 +95,9 @@ def test_openrlhf_bad_requests_are_400_with_the_reason_and_logged(server, payloa
 @pytest.mark.parametrize("earlier", ["<|im_start|>system\nbe brief<|im_end|>\n",
                                      # an earlier assistant turn: the header occurs twice
                                      PROMPT + "alpha reply<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"])
-def test_openrlhf_left_truncated_prompt_is_scored_as_the_whole(server, earlier):
+def test_openrlhf_left_truncated_prompt_is_scored_as_the_whole(openrlhf_server, earlier):
     """OpenRLHF cuts an over-long prompt's tokens from the left: `query` starts inside `prompts`."""
-    reward, url = server
+    reward, url = openrlhf_server
     prompt = earlier + PROMPT
     label = {"criteria": CRITERIA, "reference": "beta reply"}
     whole = post(url, {"query": [prompt + "alpha reply<|im_end|>"], "prompts": [prompt], "labels": [label]})
@@ -161,10 +153,10 @@ def test_verl_per_sample_compute_score_points_to_the_reward_manager():
                       extra_info={"question": "q"}, checkpoint="unused")
 
 
-def test_openrlhf_request_the_crm_refuses_fails_alone_in_a_shared_batch(server):
+def test_openrlhf_request_the_crm_refuses_fails_alone_in_a_shared_batch(openrlhf_server):
     """An empty criterion passes the label check and is refused by the reward call itself: the
     batch it shares is scored again request by request, so only its own request fails."""
-    reward, url = server
+    reward, url = openrlhf_server
     bodies = [{"query": [PROMPT + "alpha reply"], "prompts": [PROMPT],
                "labels": [{"criteria": criteria, "reference": "beta reply"}]}
               for criteria in (CRITERIA, ["c", ""], CRITERIA)]

@@ -16,11 +16,10 @@ import torch
 from helpers import tiny_tokenizer
 from hydra import compose, initialize_config_module
 from openrlhf.utils import agent as openrlhf_agent
-from scorers import export_tiny, tiny_scorer
+from scorers import export_tiny
 from stubs import stubbed
 
 from crm.inference.reward import CRMReward, CRMRewardError
-from crm.rl.openrlhf import make_server
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -45,14 +44,6 @@ class Engine:
         ids = self.tokenizer(text=text, add_special_tokens=False)["input_ids"]
         output = types.SimpleNamespace(token_ids=ids, text=text, finish_reason="stop", logprobs=None)
         return types.SimpleNamespace(outputs=[output])
-
-
-@pytest.fixture
-def openrlhf_server():
-    reward = CRMReward(tiny_scorer(), "reference")
-    server = make_server(reward, "127.0.0.1", 0, batch_wait=0.05).start()
-    yield reward, server.url
-    server.close()
 
 
 def test_openrlhf_executor_512_concurrent_samples_all_rewarded(openrlhf_server):

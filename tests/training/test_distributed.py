@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import free_port, save_tiny_base
 from hydra import compose, initialize_config_module
 
 from crm.core.errors import ConfigError
@@ -338,21 +338,7 @@ def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
 
 @pytest.fixture(scope="module")
 def base_checkpoint(root) -> Path:
-    """A tiny Qwen3 base model (a causal LM: no classification head) with a tokenizer, as a user's
-    model.path holds one."""
-    from helpers import tiny_tokenizer
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tok = tiny_tokenizer()
-    torch.manual_seed(3)
-    model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024,
-        pad_token_id=tok.pad_token_id))
-    path = root / "base_checkpoint"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_base(root / "base_checkpoint")
 
 
 @slow

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_DEMO, free_port, run_as_job, tiny_tokenizer
+from helpers import TINY_DEMO, free_port, run_as_job, save_tiny_base
 from hydra import compose, initialize_config_module
 
 from crm.cli.train import train
@@ -44,19 +44,7 @@ CURVE = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=3"]
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """A tiny Qwen3 base model (a causal LM, no head) with its tokenizer, as model.path holds one."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tok = tiny_tokenizer()
-    torch.manual_seed(3)
-    model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024,
-        pad_token_id=tok.pad_token_id))
-    path = tmp_path_factory.mktemp("lora") / "base"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_base(tmp_path_factory.mktemp("lora") / "base")
 
 
 def run_train(root: Path, run_dir: Path, *overrides: str) -> dict:
