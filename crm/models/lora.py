@@ -83,10 +83,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, init: bool = True) -> nn.Mod
     import peft
 
     check_targets(model, cfg)
-    peft.inject_adapter_in_model(
-        peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                        target_modules=list(cfg.target_modules), bias="none"),
-        model, adapter_name=ADAPTER)
+    peft.inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
     base_dtype = DTYPES[cfg.base_dtype]
     for name, p in model.named_parameters():
         p.requires_grad_(is_trained(name))
@@ -217,14 +214,13 @@ def merged_weights(weights: dict[str, torch.Tensor], record: dict,
 
 # -- the adapter form of an export ---------------------------------------------------------------
 
-def peft_config(cfg: LoraConfig, base: str | None = None):
-    """peft's config of these adapters with the head as a module to save: what PeftModel needs
-    to load them onto a base classifier (the head is fully trained, not adapted)."""
+def peft_config(cfg: LoraConfig, **export):
+    """peft's config of these adapters. `export`: what an adapter export adds (the head as a
+    module to save, the base's path), so PeftModel can load them onto a base classifier."""
     import peft
 
     return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=list(cfg.target_modules), bias="none",
-                           modules_to_save=["score"], base_model_name_or_path=base)
+                           target_modules=list(cfg.target_modules), bias="none", **export)
 
 
 def save_adapters(config, weights: dict[str, torch.Tensor], record: dict, out_dir: Path) -> None:
@@ -237,8 +233,9 @@ def save_adapters(config, weights: dict[str, torch.Tensor], record: dict, out_di
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
     model.name_or_path = record["base"]  # peft writes it as the adapters' base_model_name_or_path
-    model = peft.get_peft_model(model, peft_config(LoraConfig(**record["config"]), record["base"]),
-                                adapter_name=ADAPTER)
+    adapters = peft_config(LoraConfig(**record["config"]), modules_to_save=["score"],
+                           base_model_name_or_path=record["base"])
+    model = peft.get_peft_model(model, adapters, adapter_name=ADAPTER)
     trained = {name: tensor for name, tensor in weights.items() if is_trained(name)}
     # The checkpoint's names are the classifier's; PeftModel's put the base under
     # base_model.model and the head's trained copy under score.modules_to_save.<adapter>.

@@ -178,6 +178,7 @@ DDP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import test_throughput as t
     from crm.training.throughput import Throughput
+    from crm.training.trainer import leave_process_group
 
     class Ranked(torch.utils.data.IterableDataset):
         # rank 0: micro batches of (5, 9, 7, 4); rank 1: (3, 3, 3): global 34 real tokens a step
@@ -194,8 +195,7 @@ DDP_SCRIPT = textwrap.dedent("""
     trainer.fit(t.module(), train_dataloaders=torch.utils.data.DataLoader(Ranked(), batch_size=None))
     with open(f"result_{trainer.global_rank}.json", "w") as f:
         json.dump(throughput.last, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # gloo's: Lightning leaves it to interpreter exit
+    leave_process_group(trainer)  # gloo's group: Lightning leaves it to interpreter exit
 """)
 
 
