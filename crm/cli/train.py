@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -174,13 +174,16 @@ def train(cfg: DictConfig) -> dict | None:
                        pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
                        compiled=compile, lora=run.lora)
     lora = lora_record(run, make_crm)
+    parallel = resolve_timeout(parallel, run, len(tokenizer), lora)
+    run_config["parallel"]["timeout_minutes"] = parallel.timeout_minutes
     module = CRMModule(make_crm, run.optim, parallel, run_config=run_config, compile=compile,
                        lora=lora)
     sweep = sweep_info(run)
     logger = make_logger(run.logger, run_dir, run.name, sweep)
     if logger:
         logger.log_hyperparams({**run_config, "sweep": sweep or {}})
-    callbacks = run_callbacks(run, run_dir, tokenizer, with_logger=bool(logger))
+    callbacks = run_callbacks(run, run_dir, tokenizer, with_logger=bool(logger),
+                              timeout=parallel.timeout)
     trainer = make_trainer(run.trainer, accumulation=accum, val_every_n_steps=run.val_every_n_steps,
                            callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir,
                            parallel=parallel)
@@ -191,8 +194,8 @@ def train(cfg: DictConfig) -> dict | None:
         resume = resolve_resume(run.resume, run_dir)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     resumed_from = resume.decide() if isinstance(resume, AgreedResume) else resume
+    # Every rank leaves before rank 0's long work (export, evaluation): none waits in a collective.
     leave_process_group(trainer)
-    # Export happened inside fit (ExportBest, run_dir/export): gathering FSDP shards needs every rank.
 
     best, throughput = callbacks["best"], callbacks.get("throughput")
     metrics = {
@@ -209,6 +212,8 @@ def train(cfg: DictConfig) -> dict | None:
     }
     if not trainer.is_global_zero:
         return None
+    if "export" in callbacks:
+        callbacks["export"].export(trainer, module)
     if "export" in callbacks and not metrics["preempted"] and run.evaluate and run.data.test_files:
         scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
         metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
@@ -293,6 +298,22 @@ def choose_sharding(run: TrainConfig, vocab_size: int, micro_batch: int, compile
         gpu_memory_gib=gib)
 
 
+def resolve_timeout(parallel: ParallelConfig, run: TrainConfig, vocab_size: int,
+                    lora: dict | None) -> ParallelConfig:
+    """`parallel` with `timeout_minutes: auto` decided for this model and nodes
+    (crm.perf.memory.process_group_timeout_minutes, as crm-plan recommends it)."""
+    if parallel.timeout_minutes != "auto":
+        return parallel
+    from crm.perf.flops import model_shape
+    from crm.perf.memory import process_group_timeout_minutes
+
+    minutes = process_group_timeout_minutes(
+        model_shape(run.model, run.loss.kind, vocab_size),
+        num_nodes=int(run.trainer.get("num_nodes", 1)),
+        trained_params=lora["trainable_parameters"] if lora else None)
+    return replace(parallel, timeout_minutes=minutes)
+
+
 def compile_layers(run: TrainConfig) -> bool:
     """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
     where inductor can; compile=true where it cannot, and an attention implementation compiled
@@ -316,8 +337,8 @@ def transform_config(run: TrainConfig, accumulation: int = 1) -> TransformConfig
                            warmup_batches=direction.warmup_steps * accumulation)
 
 
-def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *,
-                  with_logger: bool) -> dict[str, L.Callback]:
+def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bool,
+                  timeout=None) -> dict[str, L.Callback]:
     """The run's callbacks by name (train reads some of them back), then the `callbacks` group's."""
     ckpt_dir = run_dir / "checkpoints"
     callbacks = {
@@ -330,7 +351,7 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *,
         "card": CheckpointCard(tokenizer, kind=run.loss.kind, template=run.template,
                                max_tokens=run.stream.max_tokens),
         "preemption": Preemption(str(ckpt_dir / "last.ckpt"), signum=getattr(signal, run.preemption.signal),
-                                 requeue_command=run.preemption.requeue_command),
+                                 requeue_command=run.preemption.requeue_command, timeout=timeout),
         "sharding": ShardingReport(),
     }
     perf = run.perf
@@ -338,7 +359,7 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *,
         peak = None if perf.peak_tflops is None else perf.peak_tflops * 1e12
         callbacks["throughput"] = Throughput(perf.log_every_n_steps, gpu=perf.gpu, peak_flops=peak)
     if run.trainer.get("enable_progress_bar", True) and device_type(run.trainer) == "cuda":
-        # The bar reads the logged loss as a number: each refresh makes the host wait for the GPU.
+        # The bar redraws every log_every_n_steps; it shows no loss on a GPU (CRMModule._log_sums).
         callbacks["progress"] = L.pytorch.callbacks.TQDMProgressBar(
             refresh_rate=run.trainer.get("log_every_n_steps", 50))
     if with_logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)

@@ -76,6 +76,7 @@ Neither counts what every process holds anyway (Python, torch, transformers, Lig
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from crm.perf.flops import ModelShape
@@ -275,3 +276,25 @@ def host_startup_plan(shape: ModelShape, *, world: int, devices: int, checkpoint
         "pretrained_gib": (page_cache + devices * in_flight) / GIB,
         "random_init_gib": devices * P * param_bytes / GIB,
     }
+
+
+# A sharded checkpoint holds, per trained parameter, its fp32 weight and AdamW's two fp32 moments
+# (a LoRA run's frozen base is not saved: docs/CHECKPOINTING.md).
+CHECKPOINT_BYTES_PER_TRAINED_PARAM = 12
+CHECKPOINT_WRITE_GBS = 1.0  # what one node writes to a shared filesystem, GB/s: a conservative figure
+TIMEOUT_MARGIN = 3  # a save's planned time x this: a slower filesystem, a busy node, a load
+MIN_TIMEOUT_MINUTES = 30  # torch's default, kept as the floor
+
+
+def process_group_timeout_minutes(shape: ModelShape, *, num_nodes: int,
+                                  trained_params: int | None = None,
+                                  write_gbs: float = CHECKPOINT_WRITE_GBS) -> int:
+    """crm-train's `parallel.timeout_minutes=auto`: how long a rank may wait in a collective.
+
+    The longest wait left inside training is a checkpoint save (the ranks meet at barriers around
+    it, and the slowest writer sets the pace): every node writes its share of the checkpoint at
+    `write_gbs`. Rank 0's long work (the export, the evaluation) runs after every rank has left
+    the process group, so it does not count (docs/DESIGN.md section 9)."""
+    params = shape.total_params if trained_params is None else trained_params
+    seconds = params * CHECKPOINT_BYTES_PER_TRAINED_PARAM / (num_nodes * write_gbs * 1e9)
+    return max(MIN_TIMEOUT_MINUTES, math.ceil(TIMEOUT_MARGIN * seconds / 60))

@@ -34,26 +34,37 @@ class CheckpointCard(L.Callback):
 
 
 class ExportBest(L.Callback):
-    """At the end of fit, writes the best checkpoint's model (or the final one) to `out_dir`."""
+    """The best checkpoint's model (or the final one) written to `out_dir`, by rank 0 after every
+    rank has left the process group (`export`): reading a sharded checkpoint and writing the HF
+    directory takes minutes on a large model, and ranks waiting in a collective meanwhile would
+    outlast the process-group timeout (docs/DESIGN.md section 9). Inside fit, at its end, every
+    rank only takes part in gathering the final weights when no validation checkpoint exists."""
 
     def __init__(self, out_dir: str | Path, card: CheckpointCard, preemption=None):
         self.out_dir, self.card, self.preemption = Path(out_dir), card, preemption
+        self._final: dict | None = None  # rank 0: the gathered final weights (no best checkpoint)
+
+    def _skipped(self) -> bool:
+        return self.preemption is not None and self.preemption.preempted  # the requeued job exports
 
     def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
-        if self.preemption is not None and self.preemption.preempted:
-            return  # the requeued job finishes the run and exports then
-        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-        if best:
-            trainer.strategy.barrier()  # every rank's shards of the best checkpoint are on disk
-        else:  # no validation ran: the final weights, gathered by every rank from any sharding
-            final = full_model_state(pl_module)
-        if not trainer.is_global_zero:
+        if self._skipped() or _best_path(trainer):
             return
+        final = full_model_state(pl_module)  # a collective: every rank, from any sharding
+        if trainer.is_global_zero:
+            self._final = final
+
+    def export(self, trainer: L.Trainer, pl_module) -> None:
+        """Rank 0, after fit and after leaving the process group: no collective here."""
+        if self._skipped():
+            return
+        best = _best_path(trainer)
         log.info("exporting %s to %s", best or "the final weights (no validation checkpoint)",
                  self.out_dir)
         if best:
             export_checkpoint(best, self.out_dir)
             return
+        final, self._final = self._final, None
         extra = {"source": "final weights (no validation checkpoint)",
                  "global_step": trainer.global_step, "config": pl_module.run_config}
         if pl_module.lora:  # the adapters merged into the base, as crm-export does
@@ -62,6 +73,10 @@ class ExportBest(L.Callback):
         crm = build_from_card(self.card.card(pl_module), final)
         export_crm(crm.model, crm.tokenizer, self.out_dir, kind=crm.kind, template=crm.template,
                    max_tokens=crm.max_tokens, extra=extra)
+
+
+def _best_path(trainer: L.Trainer) -> str:
+    return trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
 
 
 def full_model_state(pl_module) -> dict:

@@ -10,7 +10,8 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from crm.core.errors import ConfigError
 from crm.models.checkpoint import LORA
-from crm.training.parallel import ParallelConfig, build_sharded, data_parallel_mesh, prepare_layers
+from crm.training.parallel import (ParallelConfig, all_ranks_sum, build_sharded, data_parallel_mesh,
+                                   prepare_layers)
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,11 @@ class CRMModule(L.LightningModule):
                 "of an epoch end with the same micro batches a rank per epoch, or at the same "
                 "world size (docs/CHECKPOINTING.md)")
         if batch["step_index"] == 0:
-            self._step_examples = self._all_ranks_sum(batch["step_examples"].to(self.device).float())
+            self._step_examples = all_ranks_sum(batch["step_examples"].to(self.device).float())
         loss_sum, sums = self._sums(batch)
         self._train_sums = sums if self._train_sums is None else self._train_sums + sums
         if batch["step_index"] == batch["step_batches"] - 1 and self._logging_step():
-            self._log_sums("train", self._all_ranks_sum(self._train_sums))
+            self._log_sums("train", all_ranks_sum(self._train_sums))
             self._train_sums = None
         # What the length policy did, summed over the run and ranks (healthy runs keep both ~0).
         # Every rank logs both on every step, so the epoch-end reduction is the same on each.
@@ -162,20 +163,20 @@ class CRMModule(L.LightningModule):
         sums = self._val_sums
         if sums is None:  # no val batch on this rank (limit_val_batches=0): zeros of the same size
             sums = torch.zeros(len(self.crm.metrics) + 1, device=self.device)
-        self._log_sums("val", self._all_ranks_sum(sums))
+        self._log_sums("val", all_ranks_sum(sums))
 
     def _log_sums(self, stage: str, sums: torch.Tensor) -> None:
         """Logs each metric's mean over the reduced examples; every rank holds the same values."""
         *values, n = sums
         train = stage == "train"
+        # Lightning converts the bar's values to numbers at the end of every micro batch, logging
+        # or not (even with no bar shown): on a GPU, a host sync each time. There the bar shows
+        # no loss (the logger has it); on the CPU a number costs nothing.
+        bar = self.trainer.progress_bar_callback is not None and self.device.type == "cpu"
         for name, value in zip(self.crm.metrics, values, strict=True):
-            self.log(f"{stage}/{name}", value / n.clamp(min=1.0), prog_bar=name in ("loss", "acc"),
-                     on_step=train, on_epoch=not train, sync_dist=False)
-
-    def _all_ranks_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.trainer.world_size == 1:
-            return tensor
-        return self.trainer.strategy.reduce(tensor, reduce_op="sum")
+            self.log(f"{stage}/{name}", value / n.clamp(min=1.0),
+                     prog_bar=bar and name in ("loss", "acc"), on_step=train, on_epoch=not train,
+                     sync_dist=False)
 
     def _logging_step(self) -> bool:
         # global_step counts the optimizer steps taken, this one not yet: the same on every rank.

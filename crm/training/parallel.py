@@ -13,7 +13,9 @@ import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -36,12 +38,25 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3)
     sharding: str = "auto"  # FSDP over all ranks (fsdp) or within each node, replicated across (hsdp)
     grad_sync: str = "step"  # under accumulation: reduce gradients once per step, or every micro batch
+    # The longest a rank may wait in a collective before its watchdog aborts the run: auto = sized
+    # for a checkpoint save at the model size (crm.perf.memory.process_group_timeout_minutes).
+    timeout_minutes: Any = "auto"  # auto or minutes; Any: a str or an int
 
     def __post_init__(self):
         for key, value, allowed in (("sharding", self.sharding, SHARDINGS),
                                     ("grad_sync", self.grad_sync, GRAD_SYNCS)):
             if value not in allowed:
                 raise ValueError(f"parallel.{key}={value}: expected one of {', '.join(allowed)}")
+        minutes = self.timeout_minutes
+        if minutes != "auto" and not (isinstance(minutes, int) and not isinstance(minutes, bool)
+                                      and minutes > 0):
+            raise ValueError(f"parallel.timeout_minutes={minutes}: expected auto or a number of "
+                             "minutes > 0")
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The process groups' timeout; None (torch's default) while `auto` is undecided."""
+        return None if self.timeout_minutes == "auto" else timedelta(minutes=self.timeout_minutes)
 
 
 def data_parallel_mesh(mesh, sharding: str, num_nodes: int):
@@ -60,6 +75,19 @@ def data_parallel_mesh(mesh, sharding: str, num_nodes: int):
                          f"{world} ranks on {num_nodes} node(s): use parallel.sharding=fsdp")
     return init_device_mesh(mesh.device_type, (num_nodes, world // num_nodes),
                             mesh_dim_names=("replicate", "shard"))
+
+
+def all_ranks_sum(tensor):
+    """`tensor` summed over every rank of the run (in place; itself in a one-process run).
+
+    The all-reduce alone: Lightning's `strategy.reduce` calls `barrier()` first, and NCCL's
+    barrier blocks the CPU thread until the GPU catches up, a host sync per reduction. The
+    all-reduce itself is queued on the GPU's stream: nothing waits until a value is read."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
 
 
 def enable_activation_checkpointing(crm: nn.Module) -> None:
@@ -227,4 +255,6 @@ def swap_into_place(new: Path, final: Path) -> None:
 
 
 def fsdp_strategy(world: int, parallel: ParallelConfig | None = None, **kwargs) -> FSDPStrategy:
+    if parallel is not None and parallel.timeout is not None:
+        kwargs.setdefault("timeout", parallel.timeout)
     return FSDPStrategy(data_parallel_size=world, parallel=parallel, **kwargs)

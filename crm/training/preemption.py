@@ -1,8 +1,10 @@
-"""Preemption: on SLURM's warning signal, checkpoint at the next step boundary, requeue, stop.
+"""Preemption: on SLURM's warning signal (or SIGTERM), checkpoint at the end of the optimizer step
+in flight, requeue, stop, with nothing run after the save.
 
-One owner of the signal: Lightning's own SLURM auto-requeue is switched off (it saves inside the
-signal handler, possibly mid-step, while other ranks may be inside a collective), and sweeps over
-the submitit launcher leave requeueing to this callback too (SLURM.md).
+One owner of the signals: Lightning's own SLURM auto-requeue is switched off (it saves inside the
+signal handler, possibly mid-step, while other ranks may be inside a collective), its SIGTERM
+handler is replaced (it broadcasts from inside the handler), and sweeps over the submitit launcher
+leave requeueing to this callback too (SLURM.md).
 """
 from __future__ import annotations
 
@@ -12,12 +14,17 @@ import shlex
 import signal
 import subprocess
 import threading
+from datetime import timedelta
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Checkpoint
 
 log = logging.getLogger(__name__)
+
+# What a rank's flag says, the largest winning across ranks: the warning asks for a requeue.
+NONE, TERMINATE, REQUEUE = 0, 1, 2
 
 
 def slurm_job_id() -> str | None:
@@ -28,71 +35,96 @@ def slurm_job_id() -> str | None:
 
 
 class Preemption(L.Callback):
-    """The handler only sets a flag; the save happens where every rank is at the same point (after
-    an optimizer step), so the checkpoint's weights, optimizer and stream position agree.
+    """The handlers only set a flag; the save happens where every rank is at the same point (the
+    end of an optimizer step), so the checkpoint's weights, optimizer and stream position agree.
 
-    `requeue_command` runs on global rank 0 after the save, with `{job_id}` filled in; with no
-    SLURM job id it is skipped (a local run just stops with its checkpoint).
+    Timeline (SLURM.md, "Preemption and requeue"): a signal that arrives on any rank during
+    optimizer step s is known to every rank at the end of step s (the flags are all-reduced there,
+    on a gloo group: CPU tensors, no GPU sync), every rank saves `checkpoint_path` there, then
+    training stops: no validation, no other checkpoint. The warning signal (`signum`) then has
+    `requeue_command` run on global rank 0, with `{job_id}` filled in (skipped with no SLURM job
+    id: a local run just stops with its checkpoint); SIGTERM (SLURM's requeue, scancel or time
+    limit) saves and stops without requeueing. So the warning must come one optimizer step plus
+    one save before the end.
     """
 
     def __init__(self, checkpoint_path: str, signum: int = signal.SIGUSR1,
-                 requeue_command: str = "scontrol requeue {job_id}"):
+                 requeue_command: str = "scontrol requeue {job_id}",
+                 timeout: timedelta | None = None):
         self.checkpoint_path, self.signum, self.requeue_command = checkpoint_path, signum, requeue_command
-        self.received = False  # this process got the signal
+        self.timeout = timeout  # of the flags' group: the run's process-group timeout
+        self.received = NONE  # what this process got (TERMINATE or REQUEUE)
         self.preempted = False  # the run saved and stopped because of it
         self.step = 0  # the optimizer step of the last step boundary seen
         self.group = None  # the CPU process group of the flags (several ranks)
-        self.in_flight: tuple | None = None  # (work, flag) of the last boundary's all-reduce
+        self._previous_handler = None  # of `signum`, restored at teardown
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
-            signal.signal(self.signum, self._on_signal)
+            self._previous_handler = signal.signal(self.signum, self._on_signal)
         if trainer.world_size > 1 and stage == "fit":
             # The flags travel on the CPU (a gloo group beside NCCL's): reading one never makes
             # the host wait for the GPU. Every rank creates the group here, in the same order.
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = True
+        self.received = max(self.received, REQUEUE if signum == self.signum else TERMINATE)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.step = trainer.global_step  # a resumed run starts past 0
+        # Lightning installs its SIGTERM handler just before training: it broadcasts a flag from
+        # inside the handler, while the other ranks may be in another collective (a hang), and it
+        # makes every micro batch broadcast that flag and read it (`.item()`, a host-GPU sync).
+        # Here SIGTERM sets this callback's flag like the warning signal, and Lightning's
+        # per-batch broadcast (of a flag now never set) is skipped.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        if self.in_flight is not None:  # every rank sent it: collect it before the group goes
-            self.in_flight[0].wait()
-            self.in_flight = None
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        # SIGTERM's handler goes back with Lightning's own (it restores what it found).
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, self._previous_handler)
+            self._previous_handler = None
 
-    def _any_rank_received(self) -> bool:
-        """Whether any rank had the signal (SLURM may signal only some ranks: any rank's stops all).
-
-        Each step boundary sends this rank's flag without waiting and reads the sum sent at the
-        previous boundary, long since arrived: no rank waits on another for it, and every rank
-        reads the same sum at the same step. The save comes one step after the signal.
-        """
-        if self.group is None:
-            return self.received
-        anyone = False
-        if self.in_flight is not None:
-            work, flag = self.in_flight
-            work.wait()
-            anyone = bool(flag.item() > 0)
-        flag = torch.tensor([float(self.received)])
-        self.in_flight = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
-        return anyone
+    def _any_rank_received(self) -> int:
+        """The largest flag of any rank (SLURM may signal only some ranks: any rank's stops all).
+        A blocking all-reduce at the boundary, on the CPU: the ranks meet there anyway (the
+        optimizer step's gradient reduction), so it costs a round trip, not a wait."""
+        flag = torch.tensor([self.received], dtype=torch.int32)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.numpy()[0])  # a CPU tensor: numpy() refuses a device tensor, no sync
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             return  # mid-accumulation: no optimizer step since the last boundary
         self.step = trainer.global_step
-        if not self._any_rank_received():
+        received = self._any_rank_received()
+        if not received:
             return
-        log.warning("preemption signal: saving %s at step %d", self.checkpoint_path, trainer.global_step)
+        log.warning("preemption (%s): saving %s at step %d",
+                    "requeue signal" if received == REQUEUE else "SIGTERM", self.checkpoint_path,
+                    trainer.global_step)
         trainer.save_checkpoint(self.checkpoint_path)
         self.preempted = True
-        trainer.should_stop = True
+        stop_without_validation_or_checkpoints(trainer)
         job_id = slurm_job_id()
-        if trainer.is_global_zero and job_id and self.requeue_command:
+        if received == REQUEUE and trainer.is_global_zero and job_id and self.requeue_command:
             command = shlex.split(self.requeue_command.format(job_id=job_id))
             result = subprocess.run(command, check=False)
             log.warning("requeue: %s -> exit %d", " ".join(command), result.returncode)
+
+
+def stop_without_validation_or_checkpoints(trainer) -> None:
+    """Training stops after this step, and nothing else saves or validates in this run.
+
+    `should_stop` alone means early stopping to Lightning: it validates first, and then the best
+    checkpoint may be written, and the last-checkpoint callback saves at this step or at the end
+    of training: minutes past the warning on a large model. The checkpoint callbacks leave the
+    trainer's list in place: Lightning sorts them after every other callback, so those still to
+    run in this very hook are skipped too.
+    """
+    trainer.should_stop = True
+    trainer.limit_val_batches = 0
+    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, Checkpoint)]

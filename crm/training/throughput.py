@@ -27,6 +27,7 @@ import torch
 
 from crm.models.compile import RECOMPILE_WARNING, compile_stats
 from crm.perf.flops import ModelShape, flops_per_token, mfu, peak_flops
+from crm.training.parallel import all_ranks_sum
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class Throughput(L.Callback):
                              device=trainer.strategy.root_device)
         if self._real is not None:
             local[0] = self._real
-        totals = trainer.strategy.reduce(local, reduce_op="sum")
+        totals = all_ranks_sum(local)
         real, padded, rows, samples = (float(x) for x in totals.tolist())
         self._reset_counts()
         self._start_window()

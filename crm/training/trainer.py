@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import DDPStrategy
 
 from crm.core.errors import ConfigError
 from crm.models.checkpoint import is_complete_checkpoint
@@ -78,13 +79,16 @@ def resolve_sharding(parallel: ParallelConfig, trainer: dict,
 
 def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, callbacks: list,
                  logger, run_dir: Path, parallel: ParallelConfig | None = None) -> L.Trainer:
-    """A Trainer from the trainer group; validation every `val_every_n_steps` optimizer steps.
+    """A Trainer from the trainer group; validation every `val_every_n_steps` optimizer steps;
+    the process group's timeout `parallel.timeout_minutes` (fsdp and ddp).
 
     On SLURM, Lightning's own auto-requeue is switched off: crm.training.preemption owns the signal.
     """
     kwargs = dict(trainer)
     if kwargs.get("strategy") == "fsdp":
         kwargs["strategy"] = fsdp_strategy(world_size(trainer), parallel)
+    elif kwargs.get("strategy") == "ddp" and parallel is not None and parallel.timeout is not None:
+        kwargs["strategy"] = DDPStrategy(timeout=parallel.timeout)
     if SLURMEnvironment.detect():
         kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
     return L.Trainer(**kwargs, accumulate_grad_batches=accumulation, callbacks=callbacks,
@@ -104,6 +108,7 @@ def leave_process_group(trainer: L.Trainer) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         trainer.strategy.barrier("leave_process_group")
         torch.distributed.destroy_process_group()
+        log.info("left the process group")  # rank 0's export and evaluation come after this line
 
 class AgreedResume(os.PathLike):
     """fit's `ckpt_path` when every rank must resume from the same checkpoint: rank 0's choice.

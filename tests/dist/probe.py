@@ -8,14 +8,26 @@ tests/dist on PYTHONPATH): what only the ranks of a run can show, written to `$P
 - The full model and optimizer state (every rank takes part in gathering it) when training starts
   and ends: a resumed run's start is the state it loaded, the saving run's end the state it saved.
 
+- The census of what may make the host wait, per rank and micro batch: every `Tensor.item()` and
+  `Tensor.tolist()` (on a GPU tensor, a host-GPU sync), `barrier`, and every other collective by
+  its group: `world` (the default group), `flags` (the preemption callback's gloo group) or
+  `group` (another: FSDP's mesh groups). A micro batch's window runs from its
+  on_train_batch_start to the next one's (what Lightning does around the batch included).
+
+- Events in order, per rank: ["signal", step] (the probe signalled this rank: `$PROBE_SIGNAL` =
+  `<global rank>:<optimizer step>:<signal name>` sends it after the first micro batch of that
+  step, mid-accumulation), ["save", step] (any checkpoint written), ["validation", step].
+
 Written by global rank 0 as `probe-<name>.json`: {"steps", "counts", "examples" (per rank, per
-micro batch), "start", "end"}, each state as
+micro batch), "census" (per rank, per micro batch: {"step" (the optimizer step it belongs to, from
+1), "step_index", "step_batches", "counts"}), "start", "end"}, each state as
 {name: [sum, sum of |x|]} for the weights and the AdamW moments.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -42,37 +54,119 @@ def _fingerprint(module: torch.nn.Module, optimizer) -> dict:
     return out
 
 
+def _every_rank(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+CENSUS_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_object",
+                      "broadcast_object_list", "reduce", "gather")
+CENSUS_READS = ("item", "tolist")
+
+
 class Probe(L.Callback):
     def __init__(self, name: str = "run"):
         self.name, self.counts, self.start_step = name, Counter(), 0
         self.examples: list[int] = []
+        self.census: list[dict] = []
+        self.window = Counter()  # the census of the micro batch in flight
+        self.flags_group = None
+        self.in_optimizer = False
+        self.events: list[list] = []
         self.report: dict = {}
+        rank, step, signame = (os.environ.get("PROBE_SIGNAL") or "-1:0:SIGUSR1").split(":")
+        self.signal_at = (int(rank), int(step), getattr(signal, signame))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        rank, step, signum = self.signal_at
+        if (trainer.global_rank, trainer.global_step + 1) == (rank, step) and batch["step_index"] == 0:
+            self.events.append(["signal", step])
+            os.kill(os.getpid(), signum)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.events.append(["save", trainer.global_step])
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.events.append(["validation", trainer.global_step])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.examples.append(len(batch["keys"]))
+        self.window = Counter()
+        self.census.append({"step": trainer.global_step + 1, "step_index": int(batch["step_index"]),
+                            "step_batches": int(batch["step_batches"]), "counts": self.window})
+
+    def _group_name(self, group) -> str:
+        if group is None or group is dist.group.WORLD:
+            return "world"
+        return "flags" if group is self.flags_group else "group"
 
     def _counting(self, kind: str, collective):
         def wrapper(*args, **kwargs):
-            self.counts[f"{kind}/{dist.get_world_size(kwargs.get('group'))}"] += 1
+            group = kwargs.get("group")
+            if kind == "all_reduce":  # the gradient counts, by group size
+                self.counts[f"{kind}/{dist.get_world_size(group)}"] += 1
+            if kind != "reduce_scatter":  # FSDP's gradient reduction is counted above only
+                self.window[kind if kind == "barrier" else f"{kind}/{self._group_name(group)}"] += 1
             return collective(*args, **kwargs)
         return wrapper
 
+    def _reading(self, kind: str, read):
+        def wrapper(tensor, *args, **kwargs):
+            self.window[f"{kind}/optimizer" if self.in_optimizer else kind] += 1
+            return read(tensor, *args, **kwargs)
+        return wrapper
+
+    def _stepping(self, step):
+        """The optimizer's step, its own reads told apart (`item/optimizer`): on the CPU torch's
+        AdamW reads its step counters (CPU tensors) with `.item()`; on CUDA crm's fused AdamW keeps
+        them on the device and reads none. Lightning runs the training step of a step's last micro
+        batch inside optimizer.step (the closure): that part is not the optimizer's."""
+        def wrapper(closure=None, **kwargs):
+            def training_part():
+                self.in_optimizer = False
+                try:
+                    return closure()
+                finally:
+                    self.in_optimizer = True
+            self.in_optimizer = True
+            try:
+                return step(closure=training_part if closure else None, **kwargs)
+            finally:
+                self.in_optimizer = False
+        return wrapper
+
     def on_train_start(self, trainer, pl_module) -> None:
+        from crm.training.preemption import Preemption
+
         self.start_step = trainer.global_step
         self.report["start"] = _fingerprint(pl_module, trainer.optimizers[0])
-        # FSDP2 calls them through the module (torch.distributed.<name>) at every use.
-        self._originals = {"reduce_scatter_single": dist.reduce_scatter_single,
-                           "all_reduce": dist.all_reduce}
+        self.flags_group = next(c.group for c in trainer.callbacks if isinstance(c, Preemption))
+        # FSDP2 and Lightning call them through the module (torch.distributed.<name>) at every use.
+        self._originals = {name: getattr(dist, name)
+                           for name in ("reduce_scatter_single", *CENSUS_COLLECTIVES)}
         dist.reduce_scatter_single = self._counting("reduce_scatter", dist.reduce_scatter_single)
-        dist.all_reduce = self._counting("all_reduce", dist.all_reduce)
+        for name in CENSUS_COLLECTIVES:
+            setattr(dist, name, self._counting(name, getattr(dist, name)))
+        optimizer = trainer.optimizers[0]
+        optimizer.step = self._stepping(optimizer.step)
+        self._reads = {name: getattr(torch.Tensor, name) for name in CENSUS_READS}
+        for name, read in self._reads.items():
+            setattr(torch.Tensor, name, self._reading(name, read))
 
     def on_train_end(self, trainer, pl_module) -> None:
         for name, collective in self._originals.items():
             setattr(dist, name, collective)
-        examples = [None] * trainer.world_size
-        dist.all_gather_object(examples, self.examples)
+        for name, read in self._reads.items():
+            setattr(torch.Tensor, name, read)
+        examples, census, events = (_every_rank(x, trainer.world_size) for x in (
+            self.examples, [{**w, "counts": dict(w["counts"])} for w in self.census], self.events))
         self.report.update(steps=trainer.global_step - self.start_step, counts=dict(self.counts),
-                           examples=examples, end=_fingerprint(pl_module, trainer.optimizers[0]))
+                           examples=examples, census=census, events=events,
+                           end=_fingerprint(pl_module, trainer.optimizers[0]))
         if trainer.is_global_zero:
             out = Path(os.environ["PROBE_DIR"]) / f"probe-{self.name}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
