@@ -27,7 +27,7 @@ from crm.models.factory import ModelConfig
 from crm.models.lora import LoraConfig
 from crm.perf.flops import ModelShape, flops_per_token, model_shape, peak_flops, tokens_per_s_at
 from crm.perf.memory import (PRECISIONS, ROWS_PER_RECORD, STRATEGIES, decoder_linears, host_startup_plan,
-                             lora_parameters, memory_plan)
+                             lora_parameters, memory_plan, process_group_timeout_minutes)
 from crm.perf.network import GRAD_SYNCS, Links, choose_sharding, network_plan, sharding_world
 
 
@@ -383,9 +383,13 @@ def recommend(cfg: DictConfig) -> dict:
     overrides = [f"parallel.sharding={best['sharding']}", f"micro_batch_size={best['micro_batch_size']}",
                  f"parallel.activation_checkpointing={str(best['activation_checkpointing']).lower()}",
                  f"stream.max_tokens={cfg.seq_len}"]
+    # How long a rank may wait in a collective: a checkpoint save of what this run trains.
+    timeout = process_group_timeout_minutes(shape, num_nodes=nodes,
+                                            trained_params=lora_trainable(shape, cfg.lora))
+    overrides.append(f"parallel.timeout_minutes={timeout}")
     return {"model": cfg.model.name, "kind": cfg.kind, "num_nodes": nodes, "devices": devices,
             "seq_len": cfg.seq_len, "global_batch_size": cfg.global_batch_size, "best": best,
-            "overrides": overrides, "candidates": candidates}
+            "timeout_minutes": timeout, "overrides": overrides, "candidates": candidates}
 
 
 def format_plan(p: dict) -> str:

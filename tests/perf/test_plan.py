@@ -412,6 +412,10 @@ def test_crm_plan_network_table_and_recommend(tmp_path, capsys):
                       "global_batch_size=256")
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommend: "))
     assert line.split()[1:] == rec["overrides"]
+    # crm-train's parallel.timeout_minutes, sized for a checkpoint save of the 8B on 4 nodes
+    from crm.perf.memory import process_group_timeout_minutes
+    timeout = process_group_timeout_minutes(ModelShape.from_arch("qwen3-8b"), num_nodes=4)
+    assert rec["overrides"][-1] == f"parallel.timeout_minutes={timeout}" == "parallel.timeout_minutes=30"
     best = rec["best"]
     assert best["sharding"] == "hsdp" and not best["activation_checkpointing"]
     assert best["mfu"] >= max(c["mfu"] for c in rec["candidates"]) * 0.98

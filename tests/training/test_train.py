@@ -144,6 +144,38 @@ def test_world_size_and_accumulation_of_the_trainer_configs():
         batch_plan(32, 8, 3, 64)
 
 
+def test_the_process_group_timeout_is_a_setting_the_strategy_gets(tmp_path):
+    from datetime import timedelta
+
+    from crm.cli.train import resolve_timeout
+    from crm.perf.flops import model_shape
+    from crm.perf.memory import process_group_timeout_minutes
+    from crm.training.parallel import ParallelConfig
+    from crm.training.trainer import make_trainer
+
+    parallel = ParallelConfig(timeout_minutes=45)
+    for group in ("ddp", "fsdp"):
+        trainer_cfg = {**OmegaConf.to_container(compose_train([f"trainer={group}"]).trainer),
+                       "accelerator": "cpu", "devices": 2}
+        trainer = make_trainer(trainer_cfg, accumulation=1, val_every_n_steps=1, callbacks=[],
+                               logger=False, run_dir=tmp_path, parallel=parallel)
+        assert trainer.strategy._timeout == timedelta(minutes=45), group
+    with pytest.raises(ValueError, match="parallel.timeout_minutes=0"):
+        ParallelConfig(timeout_minutes=0)
+    # auto: sized for a checkpoint save at the model size (12 B per trained parameter), at least
+    # torch's 30 minutes; a LoRA run saves its adapters and head only.
+    cfg = compose_train(["model=qwen3-8b", "trainer=fsdp", "trainer.num_nodes=2",
+                         "trainer.devices=8"])
+    shape = model_shape(settings(cfg).model, "pairwise")
+    assert process_group_timeout_minutes(shape, num_nodes=2) == 30
+    slow = process_group_timeout_minutes(shape, num_nodes=2, write_gbs=0.05)  # 50 MB/s a node
+    assert slow == math.ceil(3 * shape.total_params * 12 / (2 * 0.05e9) / 60) > 30
+    assert process_group_timeout_minutes(shape, num_nodes=2, trained_params=10**8,
+                                         write_gbs=0.05) == 30
+    resolved = resolve_timeout(ParallelConfig(), settings(cfg), 151_936, None)
+    assert resolved.timeout_minutes == 30 and resolved.timeout == timedelta(minutes=30)
+
+
 def test_auto_micro_batch_is_the_largest_that_divides_a_ranks_share():
     assert batch_plan(64, "auto", 1, 64) == (64, 1)  # the demo: unchanged
     assert batch_plan(64, "auto", 2, 64) == (32, 1)
