@@ -9,7 +9,9 @@ the LightningModule's `configure_model` with the mesh's data-parallel dimension.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from crm.core.errors import ConfigError
 from crm.models.backbone import DTYPES, decoder_layers
 from crm.models.compile import compile_layers
 
@@ -73,8 +76,32 @@ def data_parallel_mesh(mesh, sharding: str, num_nodes: int):
     if num_nodes < 2 or world % num_nodes or world == num_nodes:
         raise ValueError(f"parallel.sharding=hsdp needs several nodes of several ranks; this run has "
                          f"{world} ranks on {num_nodes} node(s): use parallel.sharding=fsdp")
+    import torch.distributed as dist
+
+    nodes = [None] * world  # where each global rank runs, gathered once
+    dist.all_gather_object(nodes, node_of_this_rank())
+    check_shard_groups_within_nodes(nodes, world // num_nodes)
     return init_device_mesh(mesh.device_type, (num_nodes, world // num_nodes),
                             mesh_dim_names=("replicate", "shard"))
+
+
+def node_of_this_rank() -> str:
+    """SLURM's node index of this task, else the host name."""
+    return os.environ.get("SLURM_NODEID") or socket.gethostname()
+
+
+def check_shard_groups_within_nodes(nodes: list, per_node: int) -> None:
+    """HSDP's shard groups are global ranks [k x per_node, (k + 1) x per_node): each must be one
+    node's, or every all-gather and reduce-scatter crosses the network, silently. SLURM numbers
+    tasks node by node under `srun --distribution=block` (launch/train.sbatch); a site default or
+    `cyclic` deals them out round robin. Every rank gets the same list: all refuse together."""
+    for start in range(0, len(nodes), per_node):
+        group = nodes[start:start + per_node]
+        if len(set(group)) > 1:
+            raise ConfigError(
+                f"parallel.sharding=hsdp: ranks {start}-{start + per_node - 1} (one shard group) run "
+                f"on nodes {', '.join(map(str, dict.fromkeys(group)))}, not one node: start the ranks "
+                "node by node (srun --distribution=block, as launch/train.sbatch does)")
 
 
 def all_ranks_sum(tensor):

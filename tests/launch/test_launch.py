@@ -44,7 +44,7 @@ LAUNCHER_YAML = Path(crm_configs.__file__).parent / "hydra" / "launcher" / "slur
 SLURM_MD = REPO / "SLURM.md"
 SUBMITIT_TARGET = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 ENV_KEYS = ["MASTER_ADDR", "MASTER_PORT", "SRUN_CPUS_PER_TASK", "WANDB_MODE", "CRM_ROOT",
-            "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"]
+            "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"]
 
 
 def compose_cfg(config: str, overrides: list[str], hydra_node: bool = False):
@@ -126,7 +126,8 @@ class FakeSlurm:
         self.job_id = job_id
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("SLURM_", "MASTER_", "WANDB_", "FAKE_", "BENCH",
-                                         "BASELINE", "CRITERIA_FILE", "LEADERBOARD_ARGS"))}
+                                         "BASELINE", "CRITERIA_FILE", "LEADERBOARD_ARGS",
+                                         "NCCL_", "GLOO_", "CRM_SOCKET"))}
         self.env.update(
             PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(self.dir),
             CRM_VENV=str(self.venv), CRM_ROOT=str(self.root), SLURM_SUBMIT_DIR=str(self.submit),
@@ -239,23 +240,29 @@ def test_every_line_a_user_must_set_is_marked_edit(path):
 # -- 2. train.sbatch runs ---------------------------------------------------------------------------
 
 def test_train_sbatch_runs_crm_train_with_the_plans_overrides_and_the_users(slurm):
-    proc = slurm.run(TRAIN_SBATCH, "loss=ranking", "micro_batch_size=2", CRM_PLAN="1")
+    user = ["experiment=lora", "loss=ranking", "micro_batch_size=2"]
+    proc = slurm.run(TRAIN_SBATCH, *user, CRM_PLAN="1")
     assert proc.returncode == 0, proc.stderr
     (call,) = slurm.srun_calls()
-    assert "--kill-on-bad-exit=1" in call["opts"] and "--wait=0" in call["opts"]
+    # block: ranks numbered node by node, as HSDP's mesh needs
+    for option in ("--kill-on-bad-exit=1", "--wait=0", "--distribution=block"):
+        assert option in call["opts"], option
     assert call["argv"][0] == "crm-train"
     overrides = call["argv"][1:]
     assert overrides[:3] == ["trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=8"]
-    assert overrides[-2:] == ["loss=ranking", "micro_batch_size=2"]  # the user's come last: they win
-    # crm-plan planned this job's shape with the run's model, rows, global batch and the user's
-    # loss (pointwise: two rows a record), and its overrides come just before the user's
+    assert overrides[-3:] == user  # the user's come last: they win
+    # crm-plan planned this job's shape for the run as it composes: the run's model, rows and
+    # global batch, the user's loss (pointwise: two rows a record) and experiment=lora's LoRA
+    # (rank 16), and its overrides come just before the user's
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("recommend: ")]
     planned = line.split()[1:]
-    assert overrides[-2 - len(planned):-2] == planned
+    assert overrides[-3 - len(planned):-3] == planned
     plan = json.loads((slurm.root / "outputs" / "plan" / str(slurm.job_id) / "plan.json").read_text())
     assert (plan["model"], plan["kind"], plan["num_nodes"], plan["devices"], plan["seq_len"],
-            plan["global_batch_size"]) == ("qwen3-8b", "pointwise", 2, 8, 4096, 256)
+            plan["global_batch_size"], plan["lora_rank"]) == ("qwen3-8b", "pointwise", 2, 8, 4096,
+                                                              256, 16)
     assert "parallel.sharding=hsdp" in planned and "stream.max_tokens=4096" in planned
+    assert "parallel.timeout_minutes=30" in planned
     cfg = compose_cfg("train", overrides)
     assert cfg.trainer.strategy == "fsdp" and cfg.trainer.num_nodes == 2 and cfg.trainer.devices == 8
     assert cfg.loss.kind == "pointwise" and cfg.micro_batch_size == 2
@@ -280,6 +287,16 @@ def test_train_sbatch_without_the_plan_runs_the_run_args_alone(slurm):
     overrides = slurm.srun_calls()[0]["argv"][1:]
     assert overrides[-1] == "loss=ranking" and not any(o.startswith("parallel.sharding") for o in overrides)
     assert compose_cfg("train", overrides).stream.max_tokens == 4096  # the real row length, not the demo's
+
+
+def test_train_sbatch_gives_nccl_and_gloo_the_same_network_interface(slurm):
+    # gloo (the preemption flags' group) binds by hostname otherwise: maybe 127.0.1.1
+    slurm.run(TRAIN_SBATCH, CRM_SOCKET_IFNAME="ib0")
+    slurm.run(TRAIN_SBATCH, NCCL_SOCKET_IFNAME="eth1")  # a site's NCCL setting: gloo follows it
+    slurm.run(TRAIN_SBATCH)  # unset: each library picks its own
+    envs = [call["env"] for call in slurm.srun_calls()]
+    assert [(e["NCCL_SOCKET_IFNAME"], e["GLOO_SOCKET_IFNAME"]) for e in envs] == [
+        ("ib0", "ib0"), ("eth1", "eth1"), (None, None)]
 
 
 def test_train_sbatch_leaves_a_user_wandb_mode_alone(slurm):

@@ -487,6 +487,15 @@ def assert_same_state(loaded: dict, saved: dict) -> None:
         assert abs(loaded[key][0] - total) <= tol and abs(loaded[key][1] - size) <= tol, key
 
 
+def test_hsdp_refuses_shard_groups_that_span_nodes():
+    from crm.training.parallel import check_shard_groups_within_nodes
+
+    check_shard_groups_within_nodes(["0", "0", "1", "1"], per_node=2)  # srun --distribution=block
+    # cyclic: ranks dealt round robin, every shard group across both nodes
+    with pytest.raises(ConfigError, match=r"ranks 0-1 \(one shard group\) run on nodes 0, 1, not one"):
+        check_shard_groups_within_nodes(["0", "1", "0", "1"], per_node=2)
+
+
 @pytest.fixture(scope="module")
 def hsdp(root) -> Path:
     # sharding=auto: several nodes of several ranks (CPU: no device memory to plan against) -> hsdp
