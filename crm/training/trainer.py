@@ -91,9 +91,34 @@ def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, ca
         kwargs["strategy"] = DDPStrategy(timeout=parallel.timeout)
     if SLURMEnvironment.detect():
         kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
-    return L.Trainer(**kwargs, accumulate_grad_batches=accumulation, callbacks=callbacks,
-                     logger=logger, val_check_interval=val_every_n_steps * accumulation,
-                     check_val_every_n_epoch=None, default_root_dir=str(run_dir))
+    built = L.Trainer(**kwargs, accumulate_grad_batches=accumulation, callbacks=callbacks,
+                      logger=logger, val_check_interval=val_every_n_steps * accumulation,
+                      check_val_every_n_epoch=None, default_root_dir=str(run_dir))
+    validate_on_step_boundaries(built, val_every_n_steps)
+    return built
+
+
+def validate_on_step_boundaries(trainer: L.Trainer, every_n_steps: int) -> None:
+    """Validation (and so best.ckpt) after every `every_n_steps`-th optimizer step, in every epoch.
+
+    Lightning's `val_check_interval` counts micro batches over the run. An epoch whose micro
+    batches are not a multiple of the accumulation ends with a shorter step (Lightning steps on
+    an epoch's last batch), and from the next epoch on that count falls mid-step: a validation
+    between micro batches, and a best.ckpt that cannot resume (the step's example count is
+    summed at its first micro batch). Lightning (2.6) asks its epoch loop's `_should_check_val_fx`
+    after each batch; here it answers from the optimizer steps. As Lightning's, it validates
+    before a stop requested in training (not a preemption's: that one sets no validation).
+    """
+    loop = trainer.fit_loop.epoch_loop
+
+    def should_validate(data_fetcher) -> bool:
+        if not loop._should_check_val_epoch() or loop._should_accumulate():
+            return False
+        if trainer.should_stop and trainer.fit_loop._can_stop_early:
+            return True
+        return trainer.global_step % every_n_steps == 0
+
+    loop._should_check_val_fx = should_validate
 
 
 def leave_process_group(trainer: L.Trainer) -> None:

@@ -16,7 +16,8 @@ tests/dist on PYTHONPATH): what only the ranks of a run can show, written to `$P
 
 - Events in order, per rank: ["signal", step] (the probe signalled this rank: `$PROBE_SIGNAL` =
   `<global rank>:<optimizer step>:<signal name>` sends it after the first micro batch of that
-  step, mid-accumulation), ["save", step] (any checkpoint written), ["validation", step].
+  step, mid-accumulation), ["save", step] (any checkpoint written), ["validation", step] (or
+  "validation mid-step": between the micro batches of a step).
 
 Written by global rank 0 as `probe-<name>.json`: {"steps", "counts", "examples" (per rank, per
 micro batch), "census" (per rank, per micro batch: {"step" (the optimizer step it belongs to, from
@@ -90,8 +91,11 @@ class Probe(L.Callback):
         self.events.append(["save", trainer.global_step])
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            self.events.append(["validation", trainer.global_step])
+        if trainer.sanity_checking:
+            return
+        last = self.census[-1] if self.census else None  # the micro batch trained before it
+        mid_step = last is not None and last["step_index"] != last["step_batches"] - 1
+        self.events.append(["validation mid-step" if mid_step else "validation", trainer.global_step])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.examples.append(len(batch["keys"]))
@@ -107,7 +111,7 @@ class Probe(L.Callback):
     def _counting(self, kind: str, collective):
         def wrapper(*args, **kwargs):
             group = kwargs.get("group")
-            if kind == "all_reduce":  # the gradient counts, by group size
+            if kind in ("all_reduce", "reduce_scatter"):  # the gradient counts, by group size
                 self.counts[f"{kind}/{dist.get_world_size(group)}"] += 1
             if kind != "reduce_scatter":  # FSDP's gradient reduction is counted above only
                 self.window[kind if kind == "barrier" else f"{kind}/{self._group_name(group)}"] += 1

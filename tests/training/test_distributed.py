@@ -536,13 +536,26 @@ def test_hsdp_checkpoints_resume_under_fsdp_at_world_2_and_back(root, hsdp):
     # HSDP 2x2 -> FSDP 2 ranks (accumulation 2) through its epoch; then FSDP -> HSDP for one step.
     fsdp = train(root, "fsdp_from_hsdp", *FSDP, "micro_batch_size=4", "global_batch_size=16",
                  f"resume={hsdp / 'checkpoints' / 'last.ckpt'}", f"trainer.max_steps={2 * EPOCH_STEPS}",
-                 "val_every_n_steps=1000", f"save_every_n_steps={EPOCH_STEPS}", *probe("fsdp_from_hsdp"))
+                 "val_every_n_steps=10", f"save_every_n_steps={EPOCH_STEPS}", *probe("fsdp_from_hsdp"))
     saved, loaded = probe_report(root, "4242"), probe_report(root, "fsdp_from_hsdp")
     assert_same_state(loaded["start"], saved["end"])
     m = metrics(fsdp)["train"]
     assert (m["world_size"], m["accumulation"], m["global_step"]) == (2, 2, 2 * EPOCH_STEPS)
     # One reduce-scatter per FSDP unit and optimizer step, not per micro batch (45).
     assert loaded["counts"]["reduce_scatter/2"] == UNITS * EPOCH_STEPS, loaded["counts"]
+    # The second epoch, after one of 45 micro batches (its last step one micro batch): validation
+    # still every 10 optimizer steps, at their ends (a count of micro batches drifts mid-step).
+    for events in loaded["events"]:
+        assert [e for e in events if e[0].startswith("validation")] == [
+            ["validation", 30], ["validation", 40]], events
+    # Its best checkpoint, saved by that validation, resumes (at the same world: mid-epoch).
+    best = fsdp / "checkpoints" / "best.ckpt"
+    best_step = checkpoint_meta(best)["global_step"]
+    from_best = train(root, "fsdp_from_best", *FSDP, "micro_batch_size=4", "global_batch_size=16",
+                      f"resume={best}", f"trainer.max_steps={best_step + 1}",
+                      "val_every_n_steps=1000", "save_every_n_steps=1000", "export=false")
+    assert metrics(from_best)["train"]["resumed_from"] == str(best)
+    assert metrics(from_best)["train"]["global_step"] == best_step + 1
 
     back = hsdp_job(root, "4243", f"resume={fsdp / 'checkpoints' / 'last.ckpt'}",
                     f"trainer.max_steps={2 * EPOCH_STEPS + 1}")
