@@ -37,7 +37,7 @@ from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.lora import LoraConfig, base_record, trainable_counts
 from crm.models.tokenizer import load_or_train_tokenizer
-from crm.training.callbacks import CheckpointCard, ExportBest, ShardingReport
+from crm.training.callbacks import CheckpointCard, ExportBest, ModelSize, ShardingReport
 from crm.training.datamodule import CRMDataModule
 from crm.training.loggers import LoggerConfig, make_logger
 from crm.training.module import CRMModule, OptimConfig
@@ -353,6 +353,7 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bo
         "preemption": Preemption(str(ckpt_dir / "last.ckpt"), signum=getattr(signal, run.preemption.signal),
                                  requeue_command=run.preemption.requeue_command, timeout=timeout),
         "sharding": ShardingReport(),
+        "size": ModelSize(),
     }
     perf = run.perf
     if perf.log_every_n_steps:

@@ -33,6 +33,23 @@ class CheckpointCard(L.Callback):
         checkpoint[CARD] = self.card(pl_module)
 
 
+class ModelSize(L.Callback):
+    """One line at the start of fit (global rank 0): the CRM's parameters, how many train, and
+    their bytes, in place of Lightning's summary table (crm.training.trainer.make_trainer)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+        params = list(pl_module.parameters())  # a DTensor counts its global size
+        total = sum(p.numel() for p in params)
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        size = sum(p.numel() * p.element_size() for p in params)
+        log.info("%s: %s parameters, %s trained, %.1f MB", type(pl_module.crm).__name__,
+                 get_human_readable_count(total), get_human_readable_count(trained), size / 1e6)
+
+
 class ExportBest(L.Callback):
     """The best checkpoint's model (or the final one) written to `out_dir`, by rank 0 after every
     rank has left the process group (`export`): reading a sharded checkpoint and writing the HF

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -84,7 +85,11 @@ def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, ca
 
     On SLURM, Lightning's own auto-requeue is switched off: crm.training.preemption owns the signal.
     """
+    quiet_known_warnings()
     kwargs = dict(trainer)
+    # Lightning's summary table has a FLOPs column that reads 0 without an example input; crm's
+    # ModelSize callback logs the parameters in one line instead (crm's FLOPs are perf/*).
+    kwargs.setdefault("enable_model_summary", False)
     if kwargs.get("strategy") == "fsdp":
         kwargs["strategy"] = fsdp_strategy(world_size(trainer), parallel)
     elif kwargs.get("strategy") == "ddp" and parallel is not None and parallel.timeout is not None:
@@ -96,6 +101,17 @@ def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, ca
                       check_val_every_n_epoch=None, default_root_dir=str(run_dir))
     validate_on_step_boundaries(built, val_every_n_steps)
     return built
+
+
+def quiet_known_warnings() -> None:
+    """Warnings every run printed that no user can act on, each known to be harmless here."""
+    # Lightning 2.6 flattens batches with torch's LeafSpec, which torch 2.13 deprecates: Lightning's
+    # to change; the result is the same.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # Lightning warns that an IterableDataset's length may be wrong when each worker does not take
+    # its own part: crm's stream cuts a rank's records into chunks and gives each worker its own
+    # (crm.data.stream), so the length, the rank's batch count, is exact for any worker count.
+    warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
 
 def validate_on_step_boundaries(trainer: L.Trainer, every_n_steps: int) -> None:

@@ -216,10 +216,11 @@ def test_every_loss_noise_direction_trains(loss, noise, direction, demo_root, tm
     assert "eval" not in metrics and not (run_dir / "export").exists()
 
 
-def test_user_shards_train(tmp_path):
+def test_user_shards_train(tmp_path, recwarn, caplog, capsys):
     from crm.data.shard import shard
     from helpers import make_records
 
+    caplog.set_level("INFO", logger="crm")
     source = tmp_path / "train.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(48)))
     manifest = shard([str(source)], tmp_path / "shards", val_fraction=0.25, shard_size=16)
@@ -233,6 +234,13 @@ def test_user_shards_train(tmp_path):
     assert "eval" not in metrics  # data.test_files is empty for user shards
     assert (run_dir / "export" / "model.safetensors").is_file()
     assert not (tmp_path / ".cache").exists()  # nothing of the demo was generated
+    # A newcomer's log: none of the warnings known to be harmless (crm.training.trainer
+    # quiet_known_warnings), and the parameters in one line instead of a table with 0 FLOPs.
+    known = [str(w.message) for w in recwarn
+             if "LeafSpec" in str(w.message) or "`IterableDataset` has `__len__`" in str(w.message)]
+    assert not known, known
+    out = capsys.readouterr().out + caplog.text
+    assert "PairwiseCRM: " in out and " parameters, " in out and "FLOPs" not in out, out[-3000:]
 
 
 # -- 3. the demo chain: train -> export -> evaluate -----------------------------------------------
