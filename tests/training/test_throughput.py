@@ -147,17 +147,18 @@ def test_no_peak_no_mfu():
 
 def test_figures_are_summed_over_ranks(monkeypatch):
     """In-process stand-in for the DDP test below: a second rank that read 3 rows of 3 tokens per
-    micro batch, added by the strategy's sum-reduce that the callback must call."""
+    micro batch, added by the sum over ranks (crm.training.parallel.all_ranks_sum) that the
+    callback must call."""
+    import crm.training.throughput
+
     other = torch.tensor([9.0, 9.0, 3.0, 3.0], dtype=torch.float64)  # real, padded, rows, records
     calls = []
 
-    def reduce(self, tensor, group=None, reduce_op="mean"):
-        if tensor.shape != other.shape:  # Lightning's own reductions (data lengths): one rank
-            return tensor
-        calls.append(reduce_op)
+    def all_ranks_sum(tensor):
+        calls.append("sum")
         return tensor + other * 2  # the other rank's 2 micro batches of the window
 
-    monkeypatch.setattr(L.pytorch.strategies.SingleDeviceStrategy, "reduce", reduce)
+    monkeypatch.setattr(crm.training.throughput, "all_ranks_sum", all_ranks_sum)
     monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: 2))
     clock = Clock()
     throughput = Throughput(log_every_n_steps=2, gpu=None, peak_flops=1e7, clock=clock)
