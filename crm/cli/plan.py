@@ -393,26 +393,6 @@ def recommend(cfg: DictConfig) -> dict:
             "candidates": candidates}
 
 
-def run_plan_arguments(train_overrides: list[str]) -> list[str]:
-    """crm-plan's settings for the crm-train run that `train_overrides` compose: its model, row
-    length, batch, loss kind, sharding, gradient sync, compilation and LoRA as the run will have
-    them, `experiment=` and every other group included (launch/train.sbatch plans with these)."""
-    from hydra import compose, initialize_config_module
-
-    import crm.cli.train  # noqa: F401  (registers train.yaml's schema)
-
-    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
-        cfg = compose("train", overrides=list(train_overrides))
-    args = [f"model={cfg.model.name}", f"seq_len={cfg.stream.max_tokens}",
-            f"global_batch_size={cfg.global_batch_size}",
-            f"max_micro_batch_size={cfg.max_micro_batch_size}", f"kind={cfg.loss.kind}",
-            f"sharding={cfg.parallel.sharding}", f"grad_sync={cfg.parallel.grad_sync}",
-            f"lora.rank={cfg.lora.rank}", f"lora.target_modules=[{','.join(cfg.lora.target_modules)}]"]
-    if str(cfg.compile).lower() == "false":
-        args.append("compile=false")
-    return args
-
-
 def format_plan(p: dict) -> str:
     m, mem, fl = p["model"], p["memory"], p["flops"]
     b, world = mem["bytes_per_param"], mem["world"]
