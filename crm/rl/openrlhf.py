@@ -54,9 +54,9 @@ from http import HTTPStatus
 from typing import NamedTuple
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from crm.core.errors import excerpt
+from crm.core.http import BodyTooLarge, read_body, send_json, server_config
 from crm.inference.reward import CRMReward, CRMRewardError
 from crm.rl.batching import MicroBatcher
 from crm.rl.labels import parse_label
@@ -274,14 +274,13 @@ class RewardApp:
             return await self._refuse(send, client, HTTPStatus.METHOD_NOT_ALLOWED,
                                       f"{scope['method']}: POST the request body")
         try:
-            async with asyncio.timeout(self.limits.read_timeout):
-                body = await self._body(receive)
+            body = await read_body(receive, self.limits.body, self.limits.read_timeout)
         except TimeoutError:
             return await self._refuse(send, client, HTTPStatus.REQUEST_TIMEOUT, "the body did not "
                                       f"arrive within {self.limits.read_timeout:g} s", close=True)
-        if body is None:
-            return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                      f"body over {self.limits.body} bytes", close=True)
+        except BodyTooLarge as exc:
+            return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc),
+                                      close=True)
         try:
             samples = await asyncio.get_running_loop().run_in_executor(
                 self.parser, parse_body, body, self.reward.strategy, self.limits)
@@ -293,21 +292,7 @@ class RewardApp:
             log.exception("scoring failed")
             return await self._refuse(send, client, HTTPStatus.INTERNAL_SERVER_ERROR,
                                       f"internal error ({type(exc).__name__}): the server logged it")
-        await self._send(send, HTTPStatus.OK, answer(values))
-
-    async def _body(self, receive) -> bytes | None:
-        """The request body, or None past `limits.body` bytes (the rest left unread)."""
-        parts, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            more = message.get("more_body", False)
-            if size > self.limits.body:
-                return None
-        return b"".join(parts)
+        await send_json(send, HTTPStatus.OK, answer(values))
 
     async def _refuse(self, send, client: str, status: HTTPStatus, reason: str,
                       close: bool = False) -> None:
@@ -315,57 +300,11 @@ class RewardApp:
         # (a log handler writing UTF-8 fails on a lone surrogate).
         reason = reason[:MAX_REASON].encode("utf-8", "backslashreplace").decode("utf-8")
         log.warning("%s %d %s", client, status, reason)  # OpenRLHF's client logs only the status
-        await self._send(send, status, {"error": reason}, close)
-
-    @staticmethod
-    async def _send(send, status: HTTPStatus, payload: dict, close: bool = False) -> None:
-        data = json.dumps(payload).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(data)).encode())]
-        if close:  # the rest of the body is not read: the connection cannot serve another request
-            headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": int(status), "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+        await send_json(send, status, {"error": reason}, close)
 
     def close(self) -> None:
         self.batcher.close()
         self.parser.shutdown(wait=False)
-
-
-class HeadDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol, and a deadline for each request's head: uvicorn 0.54 times out only
-    an idle kept-alive connection, so a client that sent part of a head and stalled held its
-    connection for ever. The deadline runs from the connection's start and from each response;
-    a connection still without a whole head when it passes is closed. (The body has its own
-    deadline in RewardApp.)"""
-
-    head_timeout = READ_TIMEOUT
-    _deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._arm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()
-
-    def connection_lost(self, exc) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = self.loop.call_later(self.head_timeout, self._head_late)
-
-    def _head_late(self) -> None:
-        waiting = self.cycle is None or self.cycle.response_complete  # no request in progress
-        if waiting and not self.transport.is_closing():
-            log.warning("%s:%s no request head within %g s: connection closed",
-                        *(self.client or ("?", "?")), self.head_timeout)
-            self.transport.close()
 
 
 class RewardServer:
@@ -376,11 +315,10 @@ class RewardServer:
         self.socket = socket.create_server((host, port), backlog=LISTEN_QUEUE)
         self.host, self.port = host, self.socket.getsockname()[1]
         limits = app.limits
-        protocol = type("HeadDeadline", (HeadDeadlineProtocol,), {"head_timeout": limits.read_timeout})
-        self.server = uvicorn.Server(uvicorn.Config(
-            app, http=protocol, backlog=LISTEN_QUEUE, lifespan="off", access_log=False,
-            log_level="warning", timeout_keep_alive=limits.keep_alive,
-            limit_concurrency=limits.connections))
+        self.server = uvicorn.Server(server_config(
+            app, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
+            connections=limits.connections, backlog=LISTEN_QUEUE, lifespan="off",
+            access_log=False, log_level="warning"))
         self.thread: threading.Thread | None = None
 
     @property
