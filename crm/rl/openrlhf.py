@@ -374,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a request's head, then its body, may take to arrive")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
                         help="open connections; past them the server answers 503")
+    parser.add_argument("--cache-size", type=int, default=100_000,
+                        help="entries of the verdict cache and of the criteria-fit cache (LRU)")
     args = parser.parse_args(argv)
+    for flag in ("max_chars", "read_timeout", "max_connections", "cache_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import torch
 
@@ -384,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         scorer = load_crm_scorer(args.checkpoint, batch_size=args.batch_size,
                                  device=torch.device(args.device) if args.device else None)
         strategy = args.strategy or ("pointwise" if scorer.kind == "pointwise" else "reference")
-        reward = CRMReward(scorer, strategy, tau=args.tau, log_odds=args.log_odds)
+        reward = CRMReward(scorer, strategy, tau=args.tau, log_odds=args.log_odds,
+                           cache_size=args.cache_size)
         limits = Limits.of(reward, args.max_chars, read_timeout=args.read_timeout,
                            connections=args.max_connections)
         server = make_server(reward, args.host, args.port, args.batch_wait, limits)
