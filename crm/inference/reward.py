@@ -24,8 +24,10 @@ P(a beats b) + P(b beats a) = 1 exactly. `log_odds=True` returns the log-odds of
 probabilities instead (unbounded: the guard docs/RL.md measures).
 
 Verdicts are cached (an LRU of hashed keys, `cache_size` entries): a completion seen again under
-the same criteria and prompt costs no forward. `counts` totals completions, forwards (sequences the
-CRM ran) and cache hits over the reward's life.
+the same criteria and prompt costs no forward. So are the (criteria, query) pairs already found to
+fit the CRM's length (another LRU of hashed keys, `cache_size` entries): no cache holds raw text,
+and none grows past its size however many distinct requests arrive. `counts` totals completions,
+forwards (sequences the CRM ran) and cache hits over the reward's life.
 """
 from __future__ import annotations
 
@@ -40,12 +42,14 @@ from typing import NamedTuple
 
 import torch
 
+from crm.core.errors import excerpt
 from crm.core.examples import PairExample
 from crm.core.lru import LRU
 from crm.core.records import Conversation, Message
 from crm.inference.scorer import CRMScorer
 
 STRATEGIES = ("pointwise", "reference", "round_robin")
+FIT_CHUNK = 256  # prompts tokenized per call by the length check
 LOGIT_EPS = 1e-6  # log_odds of a pairwise probability clamps it into [eps, 1 - eps]
 
 
@@ -93,7 +97,7 @@ class CRMReward:
         self.criteria_column, self.reference_column = criteria_column, reference_column
         self.tau, self.log_odds = tau, log_odds
         self.cache = LRU(cache_size)
-        self._fits: set = set()  # (criteria, query) pairs already checked against the length limit
+        self._fits = LRU(cache_size)  # hashes of (criteria, query) pairs found to fit the length
         self.counts = Counter()
         # TRL names a reward's metrics after it (rewards/<name>/mean)
         self.__name__ = name or f"crm_{self.strategy}"
@@ -258,22 +262,28 @@ class CRMReward:
         never be scored."""
         encoder = self.scorer.encoder
         empty = (Message("assistant", ""),)
+        room = (2 if self.scorer.kind == "pairwise" else 1) * encoder.min_turn_tokens
+        todo: dict[str, tuple[int, str]] = {}  # key -> (first row, prompt text), in row order
         for i, r in enumerate(rows):
-            if (r.criteria, r.query) in self._fits:
+            key = _key("fit", r.criteria, r.query)
+            if key in todo or self._fits.get(key):
                 continue
             if self.scorer.kind == "pairwise":
-                text = self.scorer.template.pairwise_text(r.criteria, r.query, empty, empty)
-                room = 2 * encoder.min_turn_tokens
+                todo[key] = i, self.scorer.template.pairwise_text(r.criteria, r.query, empty, empty)
             else:
-                text = self.scorer.template.pointwise_text(r.criteria, r.query, empty)
-                room = encoder.min_turn_tokens
-            n = len(encoder.encode_text(text))
+                todo[key] = i, self.scorer.template.pointwise_text(r.criteria, r.query, empty)
+        # batched tokenizer calls: thousands of rows cost a few passes, not one call each, and
+        # the token lists of one chunk at a time are alive
+        texts = [text for _, text in todo.values()]
+        lengths = [len(ids) for start in range(0, len(texts), FIT_CHUNK)
+                   for ids in encoder.encode_texts(texts[start:start + FIT_CHUNK])]
+        for (key, (i, _)), n in zip(todo.items(), lengths):
             if n + room > encoder.max_tokens:
                 raise CRMRewardError(
                     f"row {i}: the criteria and query take {n} tokens; the CRM reads at most "
                     f"{encoder.max_tokens} with {room} left for the answers: shorten the criteria "
                     "(the length policy never cuts them)")
-            self._fits.add((r.criteria, r.query))
+            self._fits.put(key, True)
 
 
 def load_crm_scorer(path: str | Path, **kwargs) -> CRMScorer:
@@ -301,7 +311,7 @@ def _criteria(value, row: int, column: str) -> tuple[str, ...]:
     criteria = tuple(c.strip() for c in value if isinstance(c, str))
     if len(criteria) != len(value) or not criteria or not all(criteria):
         raise CRMRewardError(f"row {row}: '{column}' is empty or holds an empty or non-string "
-                             f"criterion: {value!r}")
+                             f"criterion: {excerpt(value)}")
     return criteria
 
 
