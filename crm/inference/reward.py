@@ -103,24 +103,55 @@ class CRMReward:
     def __call__(self, prompts: Sequence, completions: Sequence, completion_ids=None,
                  **columns) -> list[float]:
         rows = self.rows(prompts, completions, columns)
+        if self.strategy == "pointwise":
+            rewards, forwards = self._run(self._pointwise, rows)
+        elif self.strategy == "reference":
+            references = self._references(rows, columns)
+            rewards, forwards = self._run(lambda r: self._against_reference(r, references), rows)
+        else:
+            rewards, forwards = self._run(self._round_robin, rows)
+        if "log_metric" in columns:  # TRL averages these per logging step
+            columns["log_metric"](f"{self.__name__}/forwards", float(forwards))
+        return rewards
+
+    def score_groups(self, groups: Sequence[tuple]) -> list[list[float]]:
+        """Each group's rewards, for groups given as (criteria, query, completions): a benchmark's
+        prompt and its completions (texts or assistant message lists). The round robin runs within
+        each group as given, never across groups that share a prompt: a benchmark's rows are
+        separate items even where two hold the same prompt. `pointwise` or `round_robin` only."""
+        if self.strategy == "reference":
+            raise CRMRewardError("score_groups scores completions against each other or alone: "
+                                 "strategy='pointwise' or 'round_robin'")
+        rows, members = [], []
+        for g, (criteria, query, completions) in enumerate(groups):
+            conversations = [_completion(c, g) for c in completions]
+            for own, conversation in enumerate(conversations):
+                rows.append(Row(tuple(criteria), query, (), conversation))
+                members.append((conversations, own))
+        self._check_fit(rows)
+        if self.strategy == "pointwise":
+            rewards, _ = self._run(self._pointwise, rows)
+        else:
+            rewards, _ = self._run(lambda r: self._round_robin(r, members), rows)
+        out, start = [], 0
+        for _, _, completions in groups:
+            out.append(rewards[start:start + len(completions)])
+            start += len(completions)
+        return out
+
+    def _run(self, strategy, rows: list[Row]) -> tuple[list[float], int]:
+        """(rewards, forwards) of `strategy(rows)`, counted in `counts`."""
         before = self.scorer.counts["sequences"]
         try:
             with torch.inference_mode():
-                if self.strategy == "pointwise":
-                    rewards = self._pointwise(rows)
-                elif self.strategy == "reference":
-                    rewards = self._against_reference(rows, self._references(rows, columns))
-                else:
-                    rewards = self._round_robin(rows)
+                rewards = strategy(rows)
         except CRMRewardError:
             raise
         except ValueError as exc:  # the scorer's: e.g. a long multi-turn context that cannot fit
             raise CRMRewardError(str(exc)) from None
         forwards = self.scorer.counts["sequences"] - before
         self.counts.update(completions=len(rows), forwards=forwards)
-        if "log_metric" in columns:  # TRL averages these per logging step
-            columns["log_metric"](f"{self.__name__}/forwards", float(forwards))
-        return rewards
+        return rewards, forwards
 
     def rows(self, prompts: Sequence, completions: Sequence, columns: dict) -> list[Row]:
         """The completions as the CRM reads them, with their criteria; bad input is refused."""
@@ -164,8 +195,9 @@ class CRMReward:
             return self._pointwise_comparisons(pairs)
         return [self._from_probability(p) for p in self._win_probabilities(pairs)]
 
-    def _round_robin(self, rows: list[Row]) -> list[float]:
-        members = _group_members(rows)
+    def _round_robin(self, rows: list[Row], members: list | None = None) -> list[float]:
+        """`members`: each row's group and its place in it; None: groups found by value."""
+        members = members or _group_members(rows)
         # Every (completion, opponent) comparison, each distinct pair once; the rewards average them.
         opponents = [[m for j, m in enumerate(group) if j != own] for group, own in members]
         pairs = list(dict.fromkeys((r.criteria, r.query, r.conversation, o)
@@ -256,24 +288,35 @@ class CRMReward:
         """Criteria and query must fit the CRM's length with room for the answers: the length
         policy shortens answers, never the criteria, so a criteria set that does not fit can
         never be scored."""
-        encoder = self.scorer.encoder
-        empty = (Message("assistant", ""),)
         for i, r in enumerate(rows):
-            if (r.criteria, r.query) in self._fits:
-                continue
-            if self.scorer.kind == "pairwise":
-                text = self.scorer.template.pairwise_text(r.criteria, r.query, empty, empty)
-                room = 2 * encoder.min_turn_tokens
-            else:
-                text = self.scorer.template.pointwise_text(r.criteria, r.query, empty)
-                room = encoder.min_turn_tokens
-            n = len(encoder.encode_text(text))
-            if n + room > encoder.max_tokens:
+            if (over := self._overflow(r.criteria, r.query)) is not None:
+                n, room = over
                 raise CRMRewardError(
                     f"row {i}: the criteria and query take {n} tokens; the CRM reads at most "
-                    f"{encoder.max_tokens} with {room} left for the answers: shorten the criteria "
-                    "(the length policy never cuts them)")
-            self._fits.add((r.criteria, r.query))
+                    f"{self.scorer.encoder.max_tokens} with {room} left for the answers: shorten "
+                    "the criteria (the length policy never cuts them)")
+
+    def fits(self, criteria: Sequence[str], query: str) -> bool:
+        """Whether criteria and query leave the answers room within the CRM's length limit."""
+        return self._overflow(tuple(criteria), query) is None
+
+    def _overflow(self, criteria: tuple[str, ...], query: str) -> tuple[int, int] | None:
+        """(tokens of criteria + query, the answers' least room) when they exceed the limit."""
+        if (criteria, query) in self._fits:
+            return None
+        encoder = self.scorer.encoder
+        empty = (Message("assistant", ""),)
+        if self.scorer.kind == "pairwise":
+            text = self.scorer.template.pairwise_text(criteria, query, empty, empty)
+            room = 2 * encoder.min_turn_tokens
+        else:
+            text = self.scorer.template.pointwise_text(criteria, query, empty)
+            room = encoder.min_turn_tokens
+        n = len(encoder.encode_text(text))
+        if n + room > encoder.max_tokens:
+            return n, room
+        self._fits.add((criteria, query))
+        return None
 
 
 def load_crm_scorer(path: str | Path, **kwargs) -> CRMScorer:
