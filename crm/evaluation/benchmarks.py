@@ -136,7 +136,7 @@ def read_rows(path: str | Path) -> list[tuple[str, dict]]:
             except Exception as exc:  # pyarrow's ArrowInvalid and such: not a Parquet file
                 raise BenchmarkError(f"{file}: not a readable Parquet file ({exc})") from None
             rows += [(f"{file}:row {i}", r) for i, r in enumerate(table, 1)]
-        elif file.suffix == ".jsonl":
+        elif file.suffix == ".jsonl" or _json_lines(file):
             with open(file, "rb") as f:
                 for n, raw in enumerate(f, 1):
                     try:
@@ -146,7 +146,7 @@ def read_rows(path: str | Path) -> list[tuple[str, dict]]:
                     if line.strip():
                         rows.append((f"{file}:{n}", _json(line, f"{file}:{n}")))
         else:
-            data = _json(file.read_text(encoding="utf-8"), str(file))
+            data = _json(file.read_text(encoding="utf-8-sig"), str(file))
             if not isinstance(data, list):
                 raise BenchmarkError(f"{file}: a JSON list of rows expected, found "
                                      f"{type(data).__name__}")
@@ -155,6 +155,13 @@ def read_rows(path: str | Path) -> list[tuple[str, dict]]:
         if not isinstance(row, dict):
             raise BenchmarkError(f"{where}: a row is an object, found {type(row).__name__}")
     return rows
+
+
+def _json_lines(file: Path) -> bool:
+    """Whether a .json file holds JSON lines (what `datasets`' to_json writes) rather than a list."""
+    with open(file, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"{")
 
 
 def _json(text: str, where: str):
@@ -471,7 +478,8 @@ def rewardbench2_metrics(items: Sequence[Item], scores: Sequence[Sequence[float]
             subsets[subset] = ties_score([items[i] for i in index], [scores[i] for i in index])
         else:
             results = [best_of_n(scores[i]) for i in index]
-            subsets[subset] = {"n": len(index), "accuracy": _mean(results)}
+            # Summed in order, as reward-bench sums them (numpy's pairwise sum rounds otherwise).
+            subsets[subset] = {"n": len(index), "accuracy": sum(results) / len(results)}
     figures = {s: figure("rewardbench2", m) for s, m in subsets.items()}
     present = [s for s in RB2_SUBSETS if s in figures and figures[s] is not None]
     return {"score": _mean(figures[s] for s in present),

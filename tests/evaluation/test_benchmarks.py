@@ -132,11 +132,13 @@ def test_pair_accuracy_is_strict():
 
 # -- files -----------------------------------------------------------------------------------------
 
-def rb2_rows() -> list[dict]:
+def rb2_rows(rounds: int = 1) -> list[dict]:
+    subsets = ["Math", "Focus", "Safety", "Precise IF", "Factuality"] * rounds
     rows = [dict(id=str(i), prompt=f"question {i}", chosen=[f"alpha reply {i}"],
                  rejected=[f"beta reply {i}", "a reply", "the answer"], num_correct=1,
                  num_incorrect=3, total_completions=4, models=list("abcd"), subset=subset)
-            for i, subset in enumerate(["Math", "Focus", "Safety", "Precise IF", "Factuality"])]
+            for i, subset in enumerate(subsets)]
+    rows[0]["rejected"][0] = rows[0]["chosen"][0]  # the same answer twice: tied scores
     for n in (1, 2):
         rows.append(dict(id=f"ref:{n}", prompt=f"capital {n}", chosen=["paris"],
                          rejected=["rome", "berlin"], num_correct=1, num_incorrect=2,
@@ -171,12 +173,12 @@ def pairs_rows() -> list[dict]:
 def write_layouts(root: Path) -> Path:
     """Each layout's files, under root/<benchmark name>."""
     (root / "rewardbench2" / "data").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rb2_rows()),
+    pq.write_table(pa.Table.from_pylist(rb2_rows(rounds=3)),
                    root / "rewardbench2" / "data" / "test-00000-of-00001.parquet")
     (root / "rmbench").mkdir()
     (root / "rmbench" / "total_dataset.json").write_text(json.dumps(rmbench_rows()))
     (root / "principles").mkdir()
-    (root / "principles" / "rabench.jsonl").write_text(
+    (root / "principles" / "rabench.json").write_text(  # JSON lines, as datasets' to_json writes
         "".join(json.dumps(r) + "\n" for r in principles_rows()))
     (root / "pairs").mkdir()
     (root / "pairs" / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs_rows()))
@@ -195,7 +197,7 @@ def test_layouts_read_with_their_criteria(tmp_path):
     root = write_layouts(tmp_path)
     rb2 = load_benchmark(benchmark_config("rewardbench2", root / "rewardbench2"))
     assert [i.id for i in rb2.items][-4:] == ["ref:1", "tied:1", "ref:2", "tied:2"]
-    assert rb2.items[0].completions == ("alpha reply 0", "beta reply 0", "a reply", "the answer")
+    assert rb2.items[1].completions == ("alpha reply 1", "beta reply 1", "a reply", "the answer")
     assert rb2.items[0].criteria == ("Reaches the correct final answer",)
     assert rb2.items[3].criteria[0].startswith("Follows every instruction")  # Precise IF
     rmb = load_benchmark(benchmark_config("rmbench", root / "rmbench"))
@@ -402,12 +404,15 @@ def test_crm_eval_scores_every_layout_in_one_multirun(length_crm, tmp_path):
     for name, run in runs.items():
         result = json.loads((run / "metrics.json").read_text())["benchmark"]
         assert result["kind"] == "pointwise" and result["strategy"] == "pointwise"
-        assert result["forwards"] == result["completions"]  # one reward per completion
+        # One reward per distinct completion: row 0 of rewardbench2 holds one answer twice.
+        assert result["forwards"] == result["completions"] - (name == "rewardbench2")
         assert result["unscorable"] == 0
         assert f"{name}:" in done.stdout
 
     rb2 = json.loads((runs["rewardbench2"] / "metrics.json").read_text())["benchmark"]
-    assert rb2["score"] == reward_bench_headline(rb2_rows(), read_scores(runs["rewardbench2"]))
+    rb2_scores = read_scores(runs["rewardbench2"])
+    assert rb2_scores["0"][0] == rb2_scores["0"][1]  # a tie at the top is 1/2, elsewhere 0
+    assert rb2["score"] == reward_bench_headline(rb2_rows(rounds=3), rb2_scores)
     assert rb2["criteria"]["by_subset"]["Math"] == ["Reaches the correct final answer"]
     rmb = json.loads((runs["rmbench"] / "metrics.json").read_text())["benchmark"]
     expected = rm_bench_accuracies(rmbench_rows(), read_scores(runs["rmbench"]))
