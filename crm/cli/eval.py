@@ -63,6 +63,9 @@ def evaluate(cfg: DictConfig) -> dict:
     if not paths and cfg.benchmark is None:
         raise ConfigError("no test files and no benchmark: crm-eval checkpoint=DIR "
                           "data.test=[FILE.jsonl,...] or benchmark=NAME benchmark.path=PATH")
+    if cfg.criteria is not None and cfg.benchmark is None:
+        raise ConfigError(f"criteria={cfg.criteria}: a benchmark's criteria (benchmark=NAME); "
+                          "test records carry their own")
     for path in paths:
         if not Path(path).is_file():
             raise ConfigError(f"data.test: {path}: no such file")

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from scorers import tiny_scorer
 
+from crm.core.errors import ConfigError
 from crm.evaluation.benchmarks import (BenchmarkConfig, BenchmarkError, Item, aggregate,
                                        best_of_n, criteria_override, load_benchmark,
                                        rmbench_metrics, score_items, ties_score)
@@ -322,6 +323,33 @@ def test_crm_eval_refuses_a_bad_benchmark_file_before_loading_the_model(tmp_path
     err = capsys.readouterr().err.strip()
     assert err.endswith("rb2.parquet:row 3: total_completions: 3, but chosen + rejected hold 4")
     assert len(err.splitlines()) == 1
+
+
+def test_crm_eval_runs_a_pairwise_crm_round_robin_under_no_criteria(tmp_path):
+    """crm-eval's task in process, a pairwise export, criteria=none: G(G - 1) forwards a prompt,
+    each prompt's scores sum to G / 2 (win(a, b) + win(b, a) = 1), the empty criteria recorded."""
+    from scorers import export_tiny, run_cli
+
+    from crm.cli.eval import evaluate
+
+    export = export_tiny(tmp_path / "export")
+    write_layouts(tmp_path / "benchmarks")
+    result = run_cli("eval", evaluate, [f"checkpoint={export}", "benchmark=rewardbench2",
+                                        f"paths.root_dir={tmp_path}", "criteria=none",
+                                        "progress=false"], tmp_path / "run")["benchmark"]
+    sizes = [r["total_completions"] for r in rb2_rows(rounds=3)]
+    assert (result["kind"], result["strategy"]) == ("pairwise", "round_robin")
+    # Row 0 holds 3 distinct answers (one twice): 3 x 2 forwards, not 4 x 3.
+    assert result["forwards"] == sum(g * (g - 1) for g in sizes) - 6
+    assert result["criteria"] == {"override": [], "by_subset": dict.fromkeys(
+        ["Factuality", "Focus", "Math", "Precise IF", "Safety", "Ties"], [])}
+    scores = read_scores(tmp_path / "run")
+    for row in rb2_rows(rounds=3):
+        assert sum(scores[row["id"]]) == pytest.approx(row["total_completions"] / 2, abs=1e-5)
+    assert scores["0"][0] == scores["0"][1]  # the twins
+    with pytest.raises(ConfigError, match="criteria=none: a benchmark's criteria"):
+        run_cli("eval", evaluate, [f"checkpoint={export}", "data.test=[x.jsonl]", "criteria=none"],
+                tmp_path / "run2")
 
 
 # -- end to end: crm-eval on every layout, recomputed from scores.jsonl ----------------------------
