@@ -186,9 +186,13 @@ def _text(row: dict, where: str, name: str) -> str:
 
 def _texts(row: dict, where: str, name: str, length: int | None = None) -> tuple[str, ...]:
     value = _field(row, where, name)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, (list, tuple)):
         raise BenchmarkError(f"{where}: {name}: a list of strings expected, found "
                              f"{type(value).__name__}")
+    if not all(isinstance(v, str) for v in value):
+        odd = next(v for v in value if not isinstance(v, str))
+        raise BenchmarkError(f"{where}: {name}: a list of strings expected, found an item of "
+                             f"type {type(odd).__name__}")
     if not value or (length is not None and len(value) != length):
         raise BenchmarkError(f"{where}: {name}: {len(value)} completions, expected "
                              f"{length if length is not None else 'at least one'}")
@@ -264,7 +268,7 @@ def _rewardbench2(row: dict, where: str, criteria: _Criteria, skipped: Counter) 
     num_correct = _count(row, where, "num_correct")
     if num_correct != len(chosen):
         raise BenchmarkError(f"{where}: num_correct: {num_correct}, but chosen holds {len(chosen)}")
-    if "num_incorrect" in row and row["num_incorrect"] != len(rejected):
+    if row.get("num_incorrect") is not None and row["num_incorrect"] != len(rejected):
         raise BenchmarkError(f"{where}: num_incorrect: {row['num_incorrect']}, but rejected holds "
                              f"{len(rejected)}")
     total = _count(row, where, "total_completions")
