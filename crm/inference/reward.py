@@ -360,7 +360,8 @@ def _text(content) -> str:
 
 def _messages(value, row: int, what: str) -> Conversation:
     try:
-        return tuple(Message(m["role"], _text(m["content"])) for m in value)
+        return tuple(m if isinstance(m, Message) else Message(m["role"], _text(m["content"]))
+                     for m in value)
     except (TypeError, KeyError) as exc:
         raise CRMRewardError(f"row {row}: {what} is neither text nor a list of "
                              f"{{role, content}} messages ({exc!r})") from None

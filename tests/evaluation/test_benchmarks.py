@@ -238,6 +238,8 @@ def test_the_test_format_reads_as_pairs_with_ties_skipped(tmp_path):
     first = bench.items[0]
     assert (first.id, first.subset, first.criteria) == ("k1", "t", ("short",))
     assert first.completions[0][0].content == "beta reply k1"  # model_b was preferred: chosen
+    scores, counts = score_items(tiny_scorer("pairwise"), bench.items)  # conversations score too
+    assert counts["forwards"] == 2 * 2 and all(a + b == pytest.approx(1.0) for a, b in scores)
 
 
 @pytest.mark.parametrize("change, message", [
