@@ -40,7 +40,9 @@ RMBENCH_DOMAINS = ("chat", "math", "code", "safety")  # a row's domain starts wi
 NO_CRITERIA = "none"  # criteria=none: every prompt judged under the empty criteria list
 DEFAULT = "default"  # the criteria key for a subset the config does not name
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
-GROUPS_PER_CALL = 256  # prompts scored per scorer call: bounds the token ids held at once
+# Sequences per scorer call: their token ids are held at once (a Ties prompt of 30 completions is
+# 870 sequences for a pairwise CRM), and the batches sort by length within a call.
+SEQUENCES_PER_CALL = 4096
 
 
 class BenchmarkError(ConfigError):
@@ -400,8 +402,7 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
         with tqdm(total=len(items), disable=not progress, unit="prompt", dynamic_ncols=True,
                   leave=False) as bar:
             bar.update(len(items) - len(fit))
-            for start in range(0, len(fit), GROUPS_PER_CALL):
-                chunk = fit[start:start + GROUPS_PER_CALL]
+            for chunk in _calls(items, fit, pairwise=reward.strategy == "round_robin"):
                 groups = [(items[i].criteria, items[i].query, items[i].completions) for i in chunk]
                 for i, values in zip(chunk, reward.score_groups(groups)):
                     scores[i] = values
@@ -412,6 +413,22 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
               "unscorable": len(items) - len(fit), "forwards": reward.counts["forwards"],
               "strategy": reward.strategy}
     return scores, counts
+
+
+def _calls(items: Sequence[Item], index: list[int], pairwise: bool):
+    """`index` cut into runs of items whose sequences (G(G - 1) a pairwise item of G
+    completions, G a pointwise one) add up to at most SEQUENCES_PER_CALL (an item alone may)."""
+    chunk, sequences = [], 0
+    for i in index:
+        g = len(items[i].completions)
+        cost = g * (g - 1) if pairwise else g
+        if chunk and sequences + cost > SEQUENCES_PER_CALL:
+            yield chunk
+            chunk, sequences = [], 0
+        chunk.append(i)
+        sequences += cost
+    if chunk:
+        yield chunk
 
 
 # -- the benchmarks' figures -----------------------------------------------------------------------
