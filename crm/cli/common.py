@@ -139,3 +139,17 @@ def one_line_config_errors(task):
             print(f"{Path(sys.argv[0]).name}: {exc}", file=sys.stderr)
             sys.exit(2)
     return run
+
+
+def benchmark_config(name: str, path: str):
+    """configs/benchmark/<name>.yaml with `path` set: a benchmark that crm-train's `benchmarks`
+    names, with the criteria crm-eval's `benchmark=<name>` would use."""
+    import crm_configs
+    from crm.evaluation.benchmarks import LAYOUTS, BenchmarkConfig
+
+    if name not in LAYOUTS:
+        raise ConfigError(f"benchmarks.{name}: not a benchmark; one of {', '.join(LAYOUTS)}")
+    yaml_file = Path(crm_configs.__file__).parent / "benchmark" / f"{name}.yaml"
+    node = OmegaConf.merge(OmegaConf.structured(BenchmarkConfig), OmegaConf.load(yaml_file),
+                           {"path": str(path)})
+    return settings(node)

@@ -21,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
+from crm.cli.common import (PathsConfig, benchmark_config, one_line_config_errors, register_schema,
+                            settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
@@ -31,6 +32,7 @@ from crm.data.reader import training_texts
 from crm.data.stream import StreamConfig, StreamSettings
 from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
 from crm.evaluation.accuracy import evaluate_files
+from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark, run_benchmark
 from crm.inference.scorer import CRMScorer
 from crm.models import compile as compiling
 from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
@@ -135,6 +137,7 @@ class TrainConfig:
     resume: Any = MISSING  # auto, a path, or false
     export: bool = MISSING
     evaluate: bool = MISSING
+    benchmarks: dict[str, str] = MISSING  # benchmark name -> its local copy (configs/benchmark/)
 
 
 register_schema("train", TrainConfig)
@@ -151,6 +154,8 @@ def train(cfg: DictConfig) -> dict | None:
     log_per_rank()
     run: TrainConfig = settings(cfg)
     check_config(cfg)
+    # Read and checked at start: a benchmark file not in its layout stops the run before training.
+    benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
     compile = compile_layers(run)
     L.seed_everything(run.seed, workers=True)
     if run.torch_threads:
@@ -209,12 +214,34 @@ def train(cfg: DictConfig) -> dict | None:
     }
     if not trainer.is_global_zero:
         return None
-    if "export" in callbacks and not metrics["preempted"] and run.evaluate and run.data.test_files:
+    if "export" in callbacks and not metrics["preempted"] and run.evaluate and (
+            run.data.test_files or benchmarks):
         scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-        metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
+        if run.data.test_files:
+            metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
+        if benchmarks:
+            metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
+                                                     trainer.global_step)
     metrics["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", metrics)
     return metrics
+
+
+def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger, step: int) -> dict:
+    """Each benchmark's metrics (scores.jsonl in run_dir/benchmarks/<name>), logged per subset as
+    benchmark/<name>/<figure> (global rank 0, after the process group is left)."""
+    results = {}
+    for benchmark in benchmarks:
+        result = run_benchmark(scorer, benchmark, run_dir / "benchmarks" / benchmark.name)
+        log.info("%s", describe(result))
+        results[benchmark.name] = result
+        if logger:
+            logger.log_metrics({f"benchmark/{benchmark.name}/{key}": value
+                                for key, value in result["summary"].items() if value is not None},
+                               step=step)
+    if logger:
+        logger.save()
+    return results
 
 
 def log_per_rank() -> None:
@@ -382,6 +409,8 @@ def main(cfg: DictConfig) -> None:
         print(f"{Path(path).stem:>20}: accuracy {m['accuracy_mean']:.4f} "
               f"(given {m['accuracy']:.4f}, swapped {m['accuracy_swapped']:.4f}, "
               f"flip {m['flip_rate']:.4f})")
+    for result in metrics.get("benchmarks", {}).values():
+        print(describe(result))
     print(f"metrics: {metrics['run_dir']}/metrics.json")
 
 
