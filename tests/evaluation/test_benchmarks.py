@@ -335,7 +335,7 @@ def test_crm_eval_runs_a_pairwise_crm_round_robin_under_no_criteria(tmp_path):
     from crm.cli.eval import evaluate
 
     export = export_tiny(tmp_path / "export")
-    write_layouts(tmp_path / "benchmarks")
+    write_layouts(tmp_path / "data" / "benchmarks")
     result = run_cli("eval", evaluate, [f"checkpoint={export}", "benchmark=rewardbench2",
                                         f"paths.root_dir={tmp_path}", "criteria=none",
                                         "progress=false"], tmp_path / "run")["benchmark"]
@@ -418,10 +418,10 @@ def read_scores(run: Path) -> dict:
 
 def test_crm_eval_scores_every_layout_in_one_multirun(length_crm, tmp_path):
     """One crm-eval process (a Hydra multirun over the four benchmarks, each read from its
-    default place, $CRM_ROOT/benchmarks/<name>) with a trained pointwise CRM: the figures in
+    default place, $CRM_ROOT/data/benchmarks/<name>) with a trained pointwise CRM: the figures in
     metrics.json are those that reward-bench's and RM-Bench's formulas give from scores.jsonl."""
     export, _ = length_crm
-    write_layouts(tmp_path / "benchmarks")
+    write_layouts(tmp_path / "data" / "benchmarks")
     crm_eval = Path(sys.executable).with_name("crm-eval")
     done = subprocess.run(
         [str(crm_eval), "-m", f"checkpoint={export}", "benchmark=rewardbench2,rmbench,principles,pairs",
