@@ -23,7 +23,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from crm.cli import errors
 from crm.core.errors import ConfigError
+from crm.core.records import RecordError
+
+errors.install()  # Hydra's own errors (unknown key, wrong type) as one line too
 
 
 def register_schema(command: str, schema: type) -> None:
@@ -129,13 +133,14 @@ def checkpoint_argument(argv: list[str]) -> list[str]:
 
 
 def one_line_config_errors(task):
-    """Wraps a Hydra task: a ConfigError (a setting that cannot work) is printed as one line and
-    exits 2; Hydra would print it inside a traceback. Real crashes keep theirs."""
+    """Wraps a Hydra task: a ConfigError (a setting that cannot work) or a RecordError (a bad line
+    of an input file) is printed as one line and exits 2; Hydra would print it inside a traceback.
+    Real crashes keep theirs."""
     @functools.wraps(task)
     def run(cfg: DictConfig):
         try:
             return task(cfg)
-        except ConfigError as exc:
+        except (ConfigError, RecordError) as exc:
             print(f"{Path(sys.argv[0]).name}: {exc}", file=sys.stderr)
             sys.exit(2)
     return run

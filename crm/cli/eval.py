@@ -22,6 +22,7 @@ from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, lo
                             one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
+from crm.core.records import load_records
 from crm.evaluation.accuracy import evaluate_files
 
 log = logging.getLogger("crm.eval")
@@ -54,6 +55,8 @@ def evaluate(cfg: DictConfig) -> dict:
     for path in paths:
         if not Path(path).is_file():
             raise ConfigError(f"data.test: {path}: no such file")
+    for path in paths:  # every bad record of every file, before the model loads (BadRecords)
+        load_records(path, "test")
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     metrics, predictions = evaluate_files(scorer, paths)

@@ -21,11 +21,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from crm.cli import checks
 from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
-from crm.data.demo import DemoConfig, prepare_demo
+from crm.data.demo import DemoConfig, demo_shard_dir, prepare_demo
 from crm.data.manifest import load_manifest
 from crm.data.reader import training_texts
 from crm.data.stream import StreamConfig, StreamSettings
@@ -151,17 +152,19 @@ def train(cfg: DictConfig) -> dict | None:
     log_per_rank()
     run: TrainConfig = settings(cfg)
     check_config(cfg)
+    checks.check_trainer(run.trainer)
     compile = compile_layers(run)
+    checks.check_attention(run.model.attention, compile)
+    micro_batch, accum = batch_plan(run.global_batch_size, run.micro_batch_size,
+                                    world_size(run.trainer), run.max_micro_batch_size)
+    shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
+    checks.check_data_fits(run, shard_dir, run_dir, world_size(run.trainer))
     L.seed_everything(run.seed, workers=True)
     if run.torch_threads:
         torch.set_num_threads(run.torch_threads)
-
-    shard_dir = prepare_demo(run.data.path, run.data.demo) if run.data.demo else Path(run.data.path)
     tokenizer = load_or_train_tokenizer(
         run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
-    micro_batch, accum = batch_plan(run.global_batch_size, run.micro_batch_size,
-                                    world_size(run.trainer), run.max_micro_batch_size)
     stream = StreamConfig(**asdict(run.stream), batch_size=micro_batch, mode=run.loss.kind,
                           seed=run.seed, template=run.template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
@@ -256,7 +259,14 @@ def check_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).is_dir():
             raise ConfigError(f"{key}={value}: no such directory (a local HF checkpoint dir)")
-    if not cfg.data.demo and not (Path(cfg.data.path) / "manifest.json").is_file():
+    if cfg.data.demo:
+        own = demo_shard_dir(DemoConfig(**cfg.data.demo))
+        if Path(cfg.data.path).resolve() != own.resolve():
+            # The demo's data is generated into its cache: a data.path of the user's is their
+            # shards, and the demo must neither train on them by name nor overwrite them.
+            raise ConfigError(f"data.path={cfg.data.path} with data=demo: the demo's data lives "
+                              f"in {own}; add data=shards to train on the shards at {cfg.data.path}")
+    elif not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
                           "`crm-data shard FILE.jsonl DIR`)")
 

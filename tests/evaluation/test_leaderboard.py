@@ -362,4 +362,4 @@ def test_a_failing_run_exits_non_zero(tmp_path, monkeypatch, capsys):
                                      "criteria=[x]", f"hydra.run.dir={tmp_path}/run"])
     with pytest.raises(SystemExit) as exit_info:
         main()
-    assert exit_info.value.code == 1 and "none.jsonl" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "none.jsonl: no such file" in capsys.readouterr().err

@@ -1,0 +1,180 @@
+"""A researcher's first hour with their own data: nothing of theirs overwritten, one clear line for
+every mistake, settings that do not fit the data said at start (docs/DESIGN.md sections 6, 7).
+
+The commands run in process (their `main()` with sys.argv set): each mistake must exit 2 with one
+line on stderr naming the command, and no traceback. One test runs the real console scripts, for
+what only a process of its own shows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import free_port, make_records, train_dict, write_shard_dir
+from vote_files import arena_55k_row, write_csv, write_parquet
+
+import crm.cli.eval
+import crm.cli.leaderboard
+import crm.cli.train
+from data_tools.cli import main as crm_data
+from crm.models.backbone import is_flash_attn_2_available
+
+BIN = Path(sys.executable).parent
+BENCH = [{"idx": str(i), "topic": ("cooking", "travel")[i % 2], "prompt": f"q{i}",
+          "responses": {"base": f"b{i}", "other": f"o{i}"}} for i in range(4)]
+
+
+def refused(capsys, monkeypatch, main, *argv: str) -> str:
+    """`main()` as the console script `argv[0]` runs it: exit 2, one stderr line naming the
+    command, no traceback; returns that line."""
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert exit_info.value.code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(f"{argv[0]}: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("CRM_ROOT", str(tmp_path))
+    return tmp_path
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file()}
+
+
+def test_data_path_without_data_shards_is_refused_and_the_users_shards_stay_as_they_were(
+        root, capsys, monkeypatch):
+    mine = root / "my" / "shards"
+    write_shard_dir(mine, [make_records(5)])
+    before = snapshot(mine)
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", f"data.path={mine}", "name=x")
+    assert f"data.path={mine} with data=demo" in line and "add data=shards" in line
+    assert snapshot(mine) == before
+    assert not (root / ".cache").exists()  # nothing generated: refused before the data step
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.max_steps=ten"], "trainer.max_steps='ten': expected int"),
+    (["trainer.max_step=10"], "trainer.max_step: no such key (did you mean trainer.max_steps?)"),
+    (["+trainer.max_step=10"], "trainer.max_step: not an argument of Lightning's Trainer (did you "
+                               "mean trainer.max_steps?)"),
+    (["optim.lrr=1"], "optim.lrr: no such key (did you mean optim.lr?)"),
+    (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
+    (["model=tinyy"], "Could not find 'model/tinyy' (options: "),
+    pytest.param(["trainer=gpu"], "trainer.accelerator=gpu: no CUDA device on this machine",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
+    pytest.param(["model.attention=flash_attention_2"],
+                 "model.attention=flash_attention_2 but flash-attn is not installed",
+                 marks=pytest.mark.skipif(is_flash_attn_2_available(), reason="flash-attn installed")),
+])
+def test_a_crm_train_mistake_is_one_line_before_any_work(root, capsys, monkeypatch, overrides,
+                                                         message):
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", *overrides)
+    assert message in line
+    assert not (root / ".cache").exists()  # before the data is generated or the tokenizer trained
+
+
+def test_shards_without_a_training_record_are_refused_in_one_line(root, capsys, monkeypatch):
+    write_shard_dir(root / "shards", [])  # crm-data shard itself refuses to write these
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "data=shards",
+                   f"data.path={root / 'shards'}")
+    assert "0 training records" in line and "rejects.jsonl" in line
+
+
+def test_crm_eval_lists_every_bad_record_before_loading_the_model(root, capsys, monkeypatch):
+    good = {"idx": "0", "prompt": "q", "criteria": ["short"], "preference": "model_a",
+            "model_a": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "model_b": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}
+    rows = [good] + [{k: v for k, v in good.items() if k != "preference"} for _ in range(5)]
+    path = root / "test.jsonl"
+    path.write_text("".join(json.dumps({**r, "idx": str(i)}) + "\n" for i, r in enumerate(rows)))
+    line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval", f"checkpoint={root}/none",
+                   f"data.test=[{path}]")
+    assert line.count("preference: missing field") == 3  # a short list, then the count
+    assert f"{path}:2: preference" in line and f"{path}:4: preference" in line
+    assert f"and 2 more (5 bad records: `crm-data validate {path}`" in line
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["baseline=nobody"], "baseline 'nobody' has no response in any line (models: base, other)"),
+    (["baseline=base", "topics=[sailing]"], "topics=['sailing'] not in the benchmark (topics: "
+                                            "cooking, travel)"),
+    (["baseline=base", "bench=/nowhere.jsonl"], "bench=/nowhere.jsonl: no such file"),
+])
+def test_crm_leaderboard_names_an_unknown_baseline_or_topic(root, capsys, monkeypatch, overrides,
+                                                            message):
+    bench = root / "bench.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in BENCH))
+    line = refused(capsys, monkeypatch, crm.cli.leaderboard.main, "crm-leaderboard",
+                   f"checkpoint={root}", f"bench={bench}", "criteria=[short]", *overrides)
+    assert message in line
+
+
+def test_the_console_script_prints_one_line_and_exits_2(tmp_path):
+    """In a process of its own: Hydra's composition error, which crm.cli.errors patches in for
+    every Hydra command (crm-plan: the quickest to start; a command's own refusal:
+    tests/training/test_train.py)."""
+    done = subprocess.run([str(BIN / "crm-plan"), "modle=qwen3-8b"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CRM_ROOT": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == ["crm-plan: modle: no such key (did you mean model?)"]
+
+
+# -- the data tools say why -----------------------------------------------------------------------
+
+def test_crm_data_criteria_against_an_unreachable_endpoint_says_why_and_writes_its_summary(
+        tmp_path, capsys):
+    votes = write_csv(tmp_path / "votes.csv", [arena_55k_row(f"v{i}", [f"q{i}"], [f"a{i}"], [f"b{i}"],
+                                                             "model_a") for i in range(4)])
+    out = tmp_path / "data"
+    code = crm_data(["criteria", str(votes), str(out), "--base-url", f"http://127.0.0.1:{free_port()}/v1",
+                     "--model", "m", "--no-progress", "--max-retries", "0"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("crm-data criteria: no vote got criteria: ") and "x4: check --base-url" in line
+    assert "APIConnectionError" in line and "Connection error." not in line  # the cause, not the wrapper's
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["read"], summary["written"], summary["rejected"], summary["topics"]) == (4, 0, 4, None)
+    assert summary["top_reasons"][0]["count"] == 4 and "x4" in stdout
+
+
+def test_crm_data_shard_refuses_a_parquet_file_and_an_input_with_nothing_to_write(tmp_path, capsys):
+    parquet = write_parquet(tmp_path / "votes.parquet", [train_dict(f"k{i}") for i in range(3)])
+    assert crm_data(["shard", str(parquet), str(tmp_path / "shards")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"crm-data shard: {parquet}: a Parquet file, not JSONL (votes in Parquet go to "
+                    "`crm-data criteria`; records: write them as JSON lines)")
+    assert not (tmp_path / "shards").exists()
+    binary = tmp_path / "latin1.jsonl"
+    binary.write_bytes("{\"idx\": \"caf\xe9\"}\n".encode("latin-1") * 3)
+    assert crm_data(["shard", str(binary), str(tmp_path / "shards")]) == 2
+    assert "not UTF-8 text (byte 12)" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"idx": 1}\n' * 3)
+    assert crm_data(["shard", str(bad), str(tmp_path / "shards")]) == 2
+    assert "nothing written: every line was rejected" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_crm_data_validate_says_each_defect_once_and_counts_topic_ids(tmp_path, capsys):
+    path = tmp_path / "train.jsonl"
+    rows = [{k: v for k, v in train_dict(f"k{i}").items() if not k.endswith("_topic")} for i in range(6)]
+    rows.append({**train_dict("k6"), "a_broad_criteria_topic": [1, 2, 3]})  # 3 ids, 2 criteria
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert crm_data(["validate", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}:1: a_broad_criteria_topic: missing field: no topic ids yet (`crm-data topics "
+        "IN.jsonl OUT.jsonl` fills them) (and 5 more lines: 2, 3, 4, 5, 6)",
+        f"{path}:7: a_broad_criteria_topic: 3 topic ids for 2 criteria: one per criterion "
+        "(`crm-data topics` fills them)"]
