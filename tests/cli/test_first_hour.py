@@ -8,6 +8,7 @@ what only a process of its own shows.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -178,3 +179,44 @@ def test_crm_data_validate_says_each_defect_once_and_counts_topic_ids(tmp_path, 
         "IN.jsonl OUT.jsonl` fills them) (and 5 more lines: 2, 3, 4, 5, 6)",
         f"{path}:7: a_broad_criteria_topic: 3 topic ids for 2 criteria: one per criterion "
         "(`crm-data topics` fills them)"]
+
+
+# -- settings that do not fit the data or the run, said at start ----------------------------------
+
+def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, caplog):
+    from hydra import compose, initialize_config_module
+
+    from crm.cli.checks import check_data_fits
+    from crm.cli.common import settings
+    from crm.data.shard import shard
+
+    records = tmp_path / "train.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(48)))
+    shard([str(records)], tmp_path / "shards", val_fraction=0.05)
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        cfg = compose("train", overrides=["data=shards", f"data.path={tmp_path / 'shards'}",
+                                          "trainer.max_steps=40", "name=mine"])
+    run_dir = tmp_path / "outputs" / "mine"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="crm.cli.checks"):
+        check_data_fits(settings(cfg), tmp_path / "shards", run_dir, world=1)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 4 and all("\n" not in w for w in warnings)
+    assert "global_batch_size=64 is larger than the 47 training records" in warnings[0]
+    assert "the validation split holds 1 record(s)" in warnings[1]  # 5% of 48
+    assert "warmup_steps=300 is not shorter than trainer.max_steps=40" in warnings[2]
+    assert "name=mine" in warnings[3] and "this run resumes it" in warnings[3]
+
+
+def test_crm_rl_says_how_many_prompts_to_hold_out_before_loading_the_crm(tmp_path, capsys,
+                                                                          monkeypatch):
+    import crm.cli.rl
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"idx": i, "topic": "t", "prompt": f"q{i}",
+                                           "responses": {"m": "a"}}) + "\n" for i in range(16)))
+    (tmp_path / "crm").mkdir()  # no CRM in it: the prompts are refused before it is read
+    line = refused(capsys, monkeypatch, crm.cli.rl.main, "crm-rl", f"checkpoint={tmp_path / 'crm'}",
+                   f"prompts={prompts}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert "16 distinct prompts, all held out" in line and "(measure.prompts=4)" in line
