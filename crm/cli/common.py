@@ -13,6 +13,7 @@ those dataclasses, whose own checks (`__post_init__`) refuse a value that cannot
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -111,8 +112,15 @@ def load_scorer(cfg: ScorerSettings):
         raise ConfigError(f"checkpoint={cfg.checkpoint}: no such export directory or checkpoint")
     device = None if cfg.device == "auto" else torch.device(cfg.device)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    # Bars redraw with carriage returns: in a terminal they vanish, in a log file or a pipe they
+    # stay, glued to the results table the command prints next. Shown on a terminal only.
+    progress = cfg.progress and sys.stderr.isatty()
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" too
     return CRMScorer.load(cfg.checkpoint, batch_size=cfg.batch_size, device=device, dtype=dtype,
-                          prefix_reuse=cfg.prefix_reuse, progress=cfg.progress, compile=cfg.compile)
+                          prefix_reuse=cfg.prefix_reuse, progress=progress, compile=cfg.compile)
 
 
 _MODEL = re.compile(r"^(\+{0,2})model(\.path)?=")
@@ -144,3 +152,15 @@ def one_line_config_errors(task):
             print(f"{Path(sys.argv[0]).name}: {exc}", file=sys.stderr)
             sys.exit(2)
     return run
+
+
+class _NoAdverts(logging.Filter):
+    """Lightning's "💡 Tip: ... try installing litlogger / litmodels" lines: an advert for a cloud
+    service in every run's log, nothing about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(_name).addFilter(_NoAdverts())

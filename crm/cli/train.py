@@ -44,6 +44,7 @@ from crm.training.loggers import LoggerConfig, make_logger
 from crm.training.module import CRMModule, OptimConfig
 from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
+from crm.training.progress import progress_bar
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
 from crm.training.trainer import (AgreedResume, batch_plan, device_type, leave_process_group,
@@ -347,10 +348,10 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *,
     if perf.log_every_n_steps:
         peak = None if perf.peak_tflops is None else perf.peak_tflops * 1e12
         callbacks["throughput"] = Throughput(perf.log_every_n_steps, gpu=perf.gpu, peak_flops=peak)
-    if run.trainer.get("enable_progress_bar", True) and device_type(run.trainer) == "cuda":
-        # The bar reads the logged loss as a number: each refresh makes the host wait for the GPU.
-        callbacks["progress"] = L.pytorch.callbacks.TQDMProgressBar(
-            refresh_rate=run.trainer.get("log_every_n_steps", 50))
+    if run.trainer.get("enable_progress_bar", True):  # counted in micro batches (crm.training.progress)
+        # On CUDA the bar reads the logged loss as a number: each refresh makes the host wait for the GPU.
+        cuda = device_type(run.trainer) == "cuda"
+        callbacks["progress"] = progress_bar(run.trainer.get("log_every_n_steps", 50) if cuda else None)
     if with_logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
         callbacks["lr"] = L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")
     if run.early_stopping_patience:

@@ -220,3 +220,66 @@ def test_crm_rl_says_how_many_prompts_to_hold_out_before_loading_the_crm(tmp_pat
     line = refused(capsys, monkeypatch, crm.cli.rl.main, "crm-rl", f"checkpoint={tmp_path / 'crm'}",
                    f"prompts={prompts}", f"hydra.run.dir={tmp_path / 'run'}")
     assert "16 distinct prompts, all held out" in line and "(measure.prompts=4)" in line
+
+
+@pytest.mark.parametrize("command", ["leaderboard", "usl", "rl", "plan"])
+def test_help_lists_the_commands_own_keys_not_crm_trains_groups(command, capsys, monkeypatch):
+    main = __import__(f"crm.cli.{command}", fromlist=["main"]).main
+    monkeypatch.setattr(sys, "argv", [f"crm-{command}", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith(f"crm-{command}: key=value overrides")
+    assert "== Configuration groups ==" not in out and "trainer: cpu, ddp" not in out
+
+
+# -- the logs say what ran ------------------------------------------------------------------------
+
+def test_the_training_bar_counts_micro_batches_and_shows_no_epoch_bound():
+    from types import SimpleNamespace
+
+    from crm.training.progress import StepRichBar, StepTQDMBar
+
+    trainer = SimpleNamespace(max_epochs=-1, max_steps=5, global_step=2, accumulate_grad_batches=2,
+                              num_training_batches=12)
+    for bar in (StepRichBar(), StepTQDMBar()):
+        bar._trainer = trainer
+        assert bar.total_train_batches == 6  # 3 optimizer steps left of 2 micro batches
+    rich = StepRichBar()
+    rich._trainer = trainer
+    assert rich._get_train_description(6).strip() == "Epoch 6"  # not "Epoch 6/-2"
+
+
+def test_lightnings_advert_is_dropped_and_one_cpu_device_logs_no_sharding(caplog):
+    import crm.cli.common  # noqa: F401  (installs the filter)
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    from crm.training.parallel import ParallelConfig
+    from crm.training.trainer import resolve_sharding
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        rank_zero_info("💡 Tip: For seamless cloud logging, try installing litlogger")
+        rank_zero_info("GPU available: False")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["GPU available: False"]
+    with caplog.at_level(logging.INFO, logger="crm.training.trainer"):
+        chosen = resolve_sharding(ParallelConfig(), {"accelerator": "cpu", "devices": 1},
+                                  lambda nodes, ranks: "hsdp")
+    assert chosen.sharding == "fsdp" and "parallel.sharding" not in caplog.text
+
+
+def test_crm_rls_grpo_config_raises_no_gradient_checkpointing_future_warning(tmp_path):
+    import warnings
+
+    from crm.rl.grpo import grpo_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grpo_config(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert not [w for w in caught if "gradient_checkpointing" in str(w.message)]
