@@ -115,7 +115,7 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
         log.warning("global_batch_size=%d is larger than the %d training records: each optimizer "
                     "step repeats records; for a small set use a global batch of about a tenth of "
                     "it", run.global_batch_size, n_train)
-    if n_val < min(8, n_train):
+    if n_val < min(4, n_train):  # 5% of a few dozen records: one or two
         log.warning("the validation split holds %d record(s): val/loss, the best checkpoint and "
                     "early stopping rest on them; re-shard with a larger --val-fraction "
                     "(e.g. 0.2) for a small set", n_val)

@@ -57,6 +57,7 @@ def evaluate(cfg: DictConfig) -> dict:
             raise ConfigError(f"data.test: {path}: no such file")
     for path in paths:  # every bad record of every file, before the model loads (BadRecords)
         load_records(path, "test")
+    check_not_another_run(run_dir / "metrics.json", cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     metrics, predictions = evaluate_files(scorer, paths)
@@ -68,6 +69,18 @@ def evaluate(cfg: DictConfig) -> dict:
             for row in rows:
                 out.write(json.dumps({"file": path, **row}, ensure_ascii=False) + "\n")
     return result
+
+
+def check_not_another_run(metrics: Path, cfg: EvalConfig) -> None:
+    """The run dir is outputs/eval/<name>, `default` unless name= is set: results of another
+    checkpoint or other test files there are not overwritten (the same evaluation is re-run)."""
+    if not metrics.is_file():
+        return
+    before = json.loads(metrics.read_text(encoding="utf-8"))
+    if before.get("model") != str(cfg.checkpoint) or sorted(before.get("files", {})) != sorted(cfg.data.test):
+        raise ConfigError(f"{metrics.parent} holds the results of checkpoint={before.get('model')} "
+                          f"on other files or another checkpoint: give this evaluation its own "
+                          f"name= (name={cfg.name} is taken)")
 
 
 def summary(files: dict) -> str:

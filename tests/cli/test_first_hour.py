@@ -283,3 +283,24 @@ def test_crm_rls_grpo_config_raises_no_gradient_checkpointing_future_warning(tmp
         warnings.simplefilter("always")
         grpo_config(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     assert not [w for w in caught if "gradient_checkpointing" in str(w.message)]
+
+
+def test_crm_eval_keeps_another_runs_results_and_its_bars_off_a_log(root, capsys, monkeypatch):
+    from crm.cli.common import ScorerSettings, load_scorer
+    from crm.inference.scorer import CRMScorer
+
+    test = root / "test.jsonl"
+    test.write_text("")
+    taken = root / "outputs" / "eval" / "default"
+    taken.mkdir(parents=True)
+    (taken / "metrics.json").write_text(json.dumps({"model": "outputs/a/export", "files": {}}))
+    line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval", f"checkpoint={root}",
+                   f"data.test=[{test}]")
+    assert line == (f"crm-eval: {taken} holds the results of checkpoint=outputs/a/export on other "
+                    "files or another checkpoint: give this evaluation its own name= (name=default "
+                    "is taken)")
+    asked = {}
+    monkeypatch.setattr(CRMScorer, "load", lambda path, **kwargs: asked.update(kwargs))
+    load_scorer(ScorerSettings(checkpoint=str(root), batch_size=1, device="cpu", dtype="auto",
+                               compile=False, prefix_reuse=True, progress=True))
+    assert asked["progress"] is False  # stderr is no terminal here: a bar would garble the table
