@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from crm.cli import checks
+from crm.training import checks
 from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json

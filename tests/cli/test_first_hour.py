@@ -123,7 +123,7 @@ def test_crm_leaderboard_names_an_unknown_baseline_or_topic(root, capsys, monkey
 
 
 def test_the_console_script_prints_one_line_and_exits_2(tmp_path):
-    """In a process of its own: Hydra's composition error, which crm.cli.errors patches in for
+    """In a process of its own: Hydra's composition error, which crm.cli.common patches in for
     every Hydra command (crm-plan: the quickest to start; a command's own refusal:
     tests/training/test_train.py)."""
     done = subprocess.run([str(BIN / "crm-plan"), "modle=qwen3-8b"], capture_output=True,
@@ -186,7 +186,7 @@ def test_crm_data_validate_says_each_defect_once_and_counts_topic_ids(tmp_path, 
 def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, caplog):
     from hydra import compose, initialize_config_module
 
-    from crm.cli.checks import check_data_fits
+    from crm.training.checks import check_data_fits
     from crm.cli.common import settings
     from crm.data.shard import shard
 
@@ -199,7 +199,7 @@ def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, cap
     run_dir = tmp_path / "outputs" / "mine"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="crm.cli.checks"):
+    with caplog.at_level(logging.WARNING, logger="crm.training.checks"):
         check_data_fits(settings(cfg), tmp_path / "shards", run_dir, world=1)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 4 and all("\n" not in w for w in warnings)
@@ -222,7 +222,7 @@ def test_crm_rl_says_how_many_prompts_to_hold_out_before_loading_the_crm(tmp_pat
     assert "16 distinct prompts, all held out" in line and "(measure.prompts=4)" in line
 
 
-@pytest.mark.parametrize("command", ["leaderboard", "usl", "rl", "plan"])
+@pytest.mark.parametrize("command", ["leaderboard", "rl"])  # usl and plan: the same help config
 def test_help_lists_the_commands_own_keys_not_crm_trains_groups(command, capsys, monkeypatch):
     main = __import__(f"crm.cli.{command}", fromlist=["main"]).main
     monkeypatch.setattr(sys, "argv", [f"crm-{command}", "--help"])
