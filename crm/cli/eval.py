@@ -25,6 +25,7 @@ from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, lo
                             one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
+from crm.core.records import load_records
 from crm.evaluation.accuracy import evaluate_files
 from crm.evaluation.benchmarks import (BenchmarkConfig, criteria_override, describe,
                                        load_benchmark, run_benchmark)
@@ -69,8 +70,11 @@ def evaluate(cfg: DictConfig) -> dict:
     for path in paths:
         if not Path(path).is_file():
             raise ConfigError(f"data.test: {path}: no such file")
+    for path in paths:  # every bad record of every file, before the model loads (BadRecords)
+        load_records(path, "test")
     # Read and checked whole before the model loads: a file not in its layout stops here.
     benchmark = cfg.benchmark and load_benchmark(cfg.benchmark, criteria_override(cfg.criteria))
+    check_not_another_run(run_dir / "metrics.json", cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     metrics, predictions = evaluate_files(scorer, paths)
@@ -85,6 +89,22 @@ def evaluate(cfg: DictConfig) -> dict:
                 for row in rows:
                     out.write(json.dumps({"file": path, **row}, ensure_ascii=False) + "\n")
     return result
+
+
+def check_not_another_run(metrics: Path, cfg: EvalConfig) -> None:
+    """The run dir is outputs/eval/<name>, `default` unless name= is set: results of another
+    checkpoint, other test files or another benchmark there are not overwritten (the same
+    evaluation is re-run)."""
+    if not metrics.is_file():
+        return
+    before = json.loads(metrics.read_text(encoding="utf-8"))
+    benchmark = cfg.benchmark.name if cfg.benchmark else None
+    if (before.get("model") != str(cfg.checkpoint)
+            or sorted(before.get("files", {})) != sorted(cfg.data.test)
+            or (before.get("benchmark") or {}).get("benchmark") != benchmark):
+        raise ConfigError(f"{metrics.parent} holds the results of checkpoint={before.get('model')} "
+                          f"on other files, another benchmark or another checkpoint: give this "
+                          f"evaluation its own name= (name={cfg.name} is taken)")
 
 
 def summary(files: dict) -> str:
