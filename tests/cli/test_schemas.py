@@ -69,7 +69,7 @@ def test_every_benchmark_option_is_its_schema_and_composes(option, tmp_path):
     yaml_keys_match_fields(raw, BenchmarkConfig, f"benchmark/{option}")
     run = settings(compose_config("eval", [f"benchmark={option}", f"paths.root_dir={tmp_path}"]))
     assert isinstance(run.benchmark, BenchmarkConfig) and run.benchmark.name == option
-    assert run.benchmark.path == f"{tmp_path}/benchmarks/{option}"  # where the docs download it
+    assert run.benchmark.path == f"{tmp_path}/data/benchmarks/{option}"  # where the docs download it
     assert run.criteria is None and settings(compose_config("eval", [])).benchmark is None
 
 
