@@ -8,6 +8,8 @@ from pathlib import Path
 
 from crm.core.records import FORMATS, RecordError, read_lines
 
+REJECTS_NAME = "rejects.jsonl"
+
 
 def _demo(args) -> int:
     from crm.data.demo import write_demo
@@ -20,13 +22,22 @@ def _demo(args) -> int:
 
 
 def _validate(args) -> int:
+    """Each distinct defect (field and reason) once, at its first line, with how many lines share
+    it and where: a file missing one field on every line is one line of output, not thousands."""
     good = bad = 0
+    same: dict[tuple[str, str], list[RecordError]] = {}
     for line in read_lines(args.file, args.format):
         if line.error:
             bad += 1
-            print(line.error)
+            same.setdefault((line.error.field, line.error.reason), []).append(line.error)
         else:
             good += 1
+    for errors in same.values():
+        more = ""
+        if len(errors) > 1:
+            lines = ", ".join(str(e.line) for e in errors[1:11]) + (", ..." if len(errors) > 11 else "")
+            more = f" (and {len(errors) - 1} more lines: {lines})"
+        print(f"{errors[0]}{more}")
     print(f"{args.file}: {good + bad} lines, {good} valid, {bad} rejected", file=sys.stderr)
     return 1 if bad else 0
 
@@ -34,6 +45,8 @@ def _validate(args) -> int:
 def _shard(args) -> int:
     from crm.data.shard import shard
 
+    for path in args.files:
+        _check_text(path)
     manifest = shard(args.files, args.out_dir, val_fraction=args.val_fraction,
                      shard_size=args.shard_size, seed=args.seed, fmt=args.format)
     c = manifest["counts"]
@@ -44,7 +57,27 @@ def _shard(args) -> int:
               f"{sc['rejected']} rejected")
     print(f"{args.out_dir}: {c['read']} read = {c['written']} written + {c['rejected']} rejected"
           + (f" (see {args.out_dir}/{manifest['rejects']})" if c["rejected"] else ""))
+    if not c["written"]:  # shards a run would refuse: the user's mistake, not a result
+        why = "every line was rejected" if c["read"] else "the input has no line"
+        print(f"crm-data shard: nothing written: {why} ({', '.join(args.files)})", file=sys.stderr)
+        return 2
     return 1 if args.strict and c["rejected"] else 0
+
+
+def _check_text(path: str) -> None:
+    """A file that is not JSONL text at all (Parquet, a binary, another encoding) is one error,
+    not a reject per line of bytes: its start shows it."""
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 16)
+    if head.startswith(b"PAR1"):
+        raise ValueError(f"{path}: a Parquet file, not JSONL (votes in Parquet go to `crm-data "
+                         "criteria`; records: write them as JSON lines)")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3:  # not a character cut at the end of the sample
+            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}): crm-data shard reads "
+                             "JSONL files") from None
 
 
 def _print_rejects(path: Path, most: int = 20) -> None:
@@ -75,7 +108,10 @@ def _criteria(args) -> int:
     summary = extract(args.votes, args.out_dir, cfg, fmt=args.format, prompt_path=args.prompt,
                       progress=not args.no_progress)
     out = Path(args.out_dir)
-    if args.no_topics:
+    if not summary["written"]:  # nothing to cluster; summary.json still says why
+        summary["topics"] = None
+        note = ""
+    elif args.no_topics:
         summary["topics"] = None
         note = f"; no topic ids yet: run `crm-data topics {out / 'train.jsonl'} {out / 'train.jsonl'}`"
     else:
@@ -88,10 +124,26 @@ def _criteria(args) -> int:
     print(f"{args.votes}: {summary['read']} votes read = {summary['written']} written to "
           f"{out / 'train.jsonl'} + {summary['rejected']} rejected"
           + (f" ({by_stage}; see {out / 'rejects.jsonl'})" if by_stage else "") + note)
+    for r in summary["top_reasons"]:
+        print(f"  {r['stage']}: {r['reason']} x{r['count']}")
     print(f"{summary['asked']} asked ({summary['cached_before']} answered before), "
           f"{summary['requests']} requests, {summary['retries']} retries, {summary['tokens_in']} "
           f"tokens in, {summary['tokens_out']} out, {summary['seconds']} s")
+    if not summary["written"] and summary["read"]:
+        top = summary["top_reasons"][0]
+        print(f"crm-data criteria: no vote got criteria: {top['reason']} x{top['count']}"
+              f"{_criteria_hint(top)} (summary: {out / 'summary.json'})", file=sys.stderr)
+        return 2
     return 1 if args.strict and summary["rejected"] else 0
+
+
+def _criteria_hint(reason: dict) -> str:
+    """What to check when every vote failed for `reason`."""
+    if reason["stage"] == "request":
+        return ": check --base-url (is the server up?)"
+    if reason["stage"] == "answer":
+        return f": check --model and --prompt (each answer is in {REJECTS_NAME})"
+    return ": check the votes file and --format"
 
 
 def _topics(args) -> int:

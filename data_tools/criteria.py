@@ -279,8 +279,14 @@ async def ask(client, vote: Vote, prompt: CriteriaPrompt, cfg: AskConfig, tally:
 
 
 def _describe(exc) -> str:
-    # a status error's message reads "Error code: 429 - <the server's message>"
-    return exc.message if getattr(exc, "status_code", None) else f"{type(exc).__name__}: {exc}"
+    # a status error's message reads "Error code: 429 - <the server's message>"; a connection
+    # error's own reads "Connection error.": the reason (refused, unknown host) is its cause's
+    if getattr(exc, "status_code", None):
+        return exc.message
+    cause, reason = exc, str(exc)
+    while (cause := cause.__cause__ or cause.__context__) is not None:  # the innermost: "refused"
+        reason = str(cause) or reason
+    return f"{type(exc).__name__}: {reason}"
 
 
 def _backoff(base: float, failures: int, exc) -> float:
@@ -383,11 +389,12 @@ def _messages(conversation: Conversation) -> list[dict]:
 def _write_outputs(votes_path, fmt, out: Path, prompt: CriteriaPrompt, cfg: AskConfig,
                    cache: AnswerCache, failed: dict[str, str]) -> dict:
     """train.jsonl and rejects.jsonl in input order, from the cache; summary.json."""
-    counts = Counter()
+    counts, reasons = Counter(), Counter()
     train_tmp, rejects_tmp = out / (TRAIN + ".tmp"), out / (REJECTS + ".tmp")
     with open(train_tmp, "w", encoding="utf-8") as train, open(rejects_tmp, "w", encoding="utf-8") as rejects:
         def reject(row_id, line, stage, reason, field="", answer=None):
             counts[f"rejected_{stage}"] += 1
+            reasons[stage, reason] += 1
             entry = {"id": row_id, "file": str(votes_path), "line": line, "stage": stage,
                      "field": field, "reason": reason}
             if answer is not None:
@@ -417,7 +424,9 @@ def _write_outputs(votes_path, fmt, out: Path, prompt: CriteriaPrompt, cfg: AskC
     summary = {"votes": str(votes_path), "base_url": cfg.base_url, "model": cfg.model,
                "prompt": prompt.path, "prompt_hash": prompt.hash, "read": counts["read"],
                "written": counts["written"], "rejected": sum(rejected.values()),
-               "rejected_by_stage": rejected}
+               "rejected_by_stage": rejected,
+               "top_reasons": [{"stage": stage, "reason": reason, "count": n}
+                               for (stage, reason), n in reasons.most_common(5)]}
     assert summary["read"] == summary["written"] + summary["rejected"]
     return summary
 

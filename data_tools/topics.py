@@ -31,9 +31,7 @@ PREFERENCE_WORDS = ["prefer", "prefers", "preferred", "want", "wants", "like", "
 
 def _without_topics(obj):
     """A training record whose topic ids are still to come (or are about to be replaced)."""
-    if isinstance(obj, dict):
-        obj = {**obj, "a_broad_criteria_topic": [], "b_broad_criteria_topic": []}
-    return parse_train(obj)
+    return parse_train(obj, with_topics=False)
 
 
 def cluster(criteria: list[str], k: int, seed: int = 0, embed=None) -> tuple[np.ndarray, list[str]]:

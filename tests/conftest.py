@@ -39,7 +39,7 @@ def demo_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("crm_root")
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=[*TINY_DEMO, f"paths.root_dir={root}"])
-    shard_dir = prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))
+    shard_dir = prepare_demo(DemoConfig(**cfg.data.demo))
     assert (shard_dir / "manifest.json").is_file()
     return root
 

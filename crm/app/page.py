@@ -10,16 +10,27 @@ User text reaches the page only escaped (html.escape), as text in text boxes and
 URL-encoded in the link: criteria holding HTML or script are shown, never run. Expected errors
 (BoardError) are shown as a message; anything else is logged with its traceback on the server and
 the page gets a one-line notice.
+
+The page is served by uvicorn with the guards of crm/core/http.py (Gradio's own launch sets none):
+each request's head and body due within `read_timeout` seconds, idle connections closed after
+`keep_alive`, 503 past `connections`, bodies over `max_body` bytes refused (413) before Gradio reads
+them; Gradio's upload route takes at most `max_upload` bytes (the page has no upload field), the
+files Gradio keeps (CSV downloads, uploads) are deleted once `file_age` seconds old and at exit,
+and the per-board CSVs are bounded (MAX_CSV files) and deleted at exit.
 """
 from __future__ import annotations
 
+import atexit
 import csv
 import hashlib
 import html
 import logging
 import os
+import shutil
 import tempfile
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -28,8 +39,11 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import gradio as gr
 import pandas as pd
+import uvicorn
+from fastapi import FastAPI
 
 from crm.app.service import BoardError, Leaderboards
+from crm.core.http import BodyLimit, server_config
 from crm.evaluation.leaderboard import DEFAULT_CRITERIA
 from crm.evaluation.render import interval
 
@@ -54,6 +68,19 @@ CSS = """
 """
 URL_KEYS = ("criteria", "contrast", "topics", "describe", "k")
 DEFAULT_K = 20
+MAX_CSV = 256  # per-board CSV files kept (the oldest deleted first)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The server's guards (configs/usl.yaml `serve`; the module doc says what each bounds)."""
+
+    read_timeout: float = 30.0
+    keep_alive: float = 5.0
+    connections: int = 256
+    max_body: int = 2**20
+    max_upload: int = 1024
+    file_age: int = 3600
 
 
 # -- rendering a board ----------------------------------------------------------------------------
@@ -115,13 +142,24 @@ def chart(doc: dict) -> str:
             f'interval (dashed: 50%)</p>{"".join(bars)}</div>')
 
 
-def write_csv(frame: pd.DataFrame, directory: Path) -> Path:
-    """leaderboard.csv in a directory named after the table's contents (one file per board)."""
+def write_csv(frame: pd.DataFrame, directory: Path, keep: int = MAX_CSV) -> Path:
+    """leaderboard.csv in a directory named after the table's contents (one file per board); the
+    `keep` most recently written are kept."""
     content = frame.to_csv(index=False, quoting=csv.QUOTE_MINIMAL)
     path = directory / hashlib.sha256(content.encode()).hexdigest()[:16] / "leaderboard.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(content, encoding="utf-8")
+    boards = sorted(directory.glob("*/leaderboard.csv"), key=_written)
+    for old in boards[:max(0, len(boards) - keep)]:
+        shutil.rmtree(old.parent, ignore_errors=True)
     return path
+
+
+def _written(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:  # deleted by a concurrent write
+        return 0
 
 
 def link(criteria, contrast, topics, describe: str, k: int) -> str:
@@ -138,14 +176,17 @@ def link(criteria, contrast, topics, describe: str, k: int) -> str:
 
 # -- the page -------------------------------------------------------------------------------------
 
-def build(service: Leaderboards, default: dict, queue_size: int = 64) -> gr.Blocks:
+def build(service: Leaderboards, default: dict, queue_size: int = 64,
+          file_age: int = HttpLimits.file_age) -> gr.Blocks:
     """The page. `default` is the default board (DEFAULT_CRITERIA over every topic).
 
     Its handlers return {component: value}: a component left out keeps what it shows."""
     topics = list(service.topic_counts)
     csv_dir = Path(tempfile.mkdtemp(prefix="crm-usl-"))
+    atexit.register(shutil.rmtree, csv_dir, ignore_errors=True)
 
-    with gr.Blocks(title=TITLE, analytics_enabled=False) as page:
+    with gr.Blocks(title=TITLE, analytics_enabled=False,
+                   delete_cache=(file_age, file_age)) as page:
         gr.Markdown(f"# {TITLE}\nLLMs ranked by a Customizable Reward Model for *your* "
                     f"criteria: each model's answer to every benchmark query is judged against "
                     f"{text(service.selection.baseline)}'s.")
@@ -285,7 +326,22 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64) -> gr.Bloc
                   api_visibility="private", **boards)
         gr.api(_rank_endpoint(service), api_name="rank", **boards)
     page.queue(max_size=queue_size, default_concurrency_limit=None)
+    _say_when_inputs_are_missing(page)
     return page
+
+
+def _say_when_inputs_are_missing(page: gr.Blocks) -> None:
+    """An API call with too few inputs gets a message: Gradio's own check raises a ValueError
+    that the caller sees as {"error": null} (show_error=False) and the log as a traceback."""
+    check = page.validate_inputs
+
+    def validate_inputs(block_fn, inputs) -> None:
+        if len(inputs) < len(block_fn.inputs):
+            raise gr.Error(f"{block_fn.name}: {len(inputs)} of its {len(block_fn.inputs)} inputs "
+                           "given", print_exception=False)
+        check(block_fn, inputs)
+
+    page.validate_inputs = validate_inputs
 
 
 def _rank_endpoint(service: Leaderboards) -> Callable:
@@ -309,10 +365,43 @@ def default_board(service: Leaderboards, criteria=DEFAULT_CRITERIA) -> dict:
     return service.board(tuple(criteria), service.choose(None))
 
 
+class GradioServer(uvicorn.Server):
+    """uvicorn serving a mounted Gradio page. A page's streams (session heartbeats, queue
+    events) run until the page says stop: at shutdown they are ended first, as Gradio's own
+    close() does, so that the shutdown waits for no client."""
+
+    def __init__(self, config: uvicorn.Config, page: gr.Blocks, gradio_app):
+        super().__init__(config)
+        self.page, self.gradio_app = page, gradio_app
+
+    async def shutdown(self, sockets=None) -> None:
+        self.page._queue.close()
+        self.page.is_running = False
+        self.gradio_app.stop_event.set()
+        await super().shutdown(sockets)
+
+
 def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None = None,
-           block: bool = True):
-    """Serve until stopped (Ctrl-C closes the server); `block=False` returns at once."""
-    return page.launch(server_name=host, server_port=port, auth=auth, share=False,
-                       show_error=False, footer_links=["api"], run_history=False,
-                       enable_monitoring=False, ssr_mode=False, mcp_server=False, theme=THEME,
-                       css=CSS, prevent_thread_lock=not block)
+           limits: HttpLimits = HttpLimits(), block: bool = True):
+    """Serve until stopped (Ctrl-C or SIGTERM closes the server); `block=False` serves on a
+    thread and returns the uvicorn server (`should_exit = True` stops it)."""
+    app = gr.mount_gradio_app(
+        FastAPI(), page, "/", server_name=host, server_port=port, auth=auth, show_error=False,
+        footer_links=["api"], run_history=False, enable_monitoring=False, ssr_mode=False,
+        mcp_server=False, theme=THEME, css=CSS, max_file_size=limits.max_upload)
+    gradio_app = next(route.app for route in app.routes if hasattr(route.app, "stop_event"))
+    server = GradioServer(server_config(
+        BodyLimit(app, limits.max_body, limits.read_timeout), read_timeout=limits.read_timeout,
+        keep_alive=limits.keep_alive, connections=limits.connections, host=host, port=port,
+        log_level="warning", timeout_graceful_shutdown=5), page, gradio_app)
+    if block:
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again
+            pass
+        return server
+    thread = threading.Thread(target=server.run, daemon=True, name="crm-usl-server")
+    thread.start()
+    while not server.started and thread.is_alive():
+        thread.join(0.01)
+    return server

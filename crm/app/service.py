@@ -39,6 +39,19 @@ class Busy(BoardError):
     pass
 
 
+def _text(value, what: str) -> str:
+    """`value` if it is text the model and the cache can read (valid Unicode), else BoardError:
+    an API call may send a number, an object or a lone surrogate where text belongs."""
+    if not isinstance(value, str):
+        raise BoardError(f"{what} must be text, not {type(value).__name__}.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BoardError(f"{what}: an invalid character at position {exc.start} (a lone "
+                         "surrogate, not Unicode text).") from None
+    return value
+
+
 @dataclass(frozen=True)
 class Limits:
     """The most a user may type: criteria lines, and characters per text box."""
@@ -126,7 +139,7 @@ class Leaderboards:
     def criteria(self, text: str | None, what: str = "criteria") -> tuple[str, ...]:
         """One criterion per non-blank line, whitespace collapsed (what the cache key and the model
         both read, so that spacing alone never makes a new board)."""
-        text = text or ""
+        text = _text(text or "", f"The {what}")
         if len(text) > self.limits.chars:
             raise BoardError(f"The {what} are {len(text)} characters long: at most "
                              f"{self.limits.chars}.")
@@ -140,10 +153,13 @@ class Leaderboards:
     def choose(self, topics: Sequence[str] | None, describe: str = "", k: int = 20) -> Choice:
         """The examples to rank on: the queries most similar to `describe` when it is given, else
         those of `topics` (None: all topics; an empty list is an error)."""
-        if describe and describe.strip():
+        describe = _text(describe or "", "The description")
+        if describe.strip():
             if len(describe) > self.limits.chars:
                 raise BoardError(f"The description is {len(describe)} characters long: at most "
                                  f"{self.limits.chars}.")
+            if isinstance(k, bool) or not isinstance(k, (int, float)) or not math.isfinite(k):
+                raise BoardError(f"The number of similar queries must be a number, not {k!r:.40}.")
             near = self.index.nearest(describe, max(1, int(k)))
             if not near:
                 raise BoardError("No benchmark query shares a word with the description: "
@@ -154,6 +170,8 @@ class Leaderboards:
                           " ".join(describe.split()))
         if topics is None:
             return Choice(tuple(self.topic_counts))
+        if not isinstance(topics, (list, tuple)) or not all(isinstance(t, str) for t in topics):
+            raise BoardError("Topics must be a list of topic names (text).")
         if not topics:
             raise BoardError("No topic selected: tick at least one topic, or describe what you "
                              "use an LLM for.")

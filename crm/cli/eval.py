@@ -1,6 +1,8 @@
-"""crm-eval: score test files with a trained CRM (metrics.json, predictions.jsonl).
+"""crm-eval: score test files with a trained CRM (metrics.json, predictions.jsonl), or a benchmark
+in its published layout (metrics.json, scores.jsonl; crm.evaluation.benchmarks, docs/EVALUATION.md).
 
     crm-eval checkpoint=outputs/demo/export data.test=[a.jsonl,b.jsonl] [name=...] [batch_size=...]
+    crm-eval checkpoint=outputs/demo/export benchmark=rewardbench2 benchmark.path=DIR [criteria=none]
 
 `checkpoint` is an export dir or any checkpoint crm-train writes. The former `model=DIR` still
 works, with a deprecation message: `model` is crm-train's config group, in the same search path.
@@ -13,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,7 +25,10 @@ from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, lo
                             one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
+from crm.core.records import load_records
 from crm.evaluation.accuracy import evaluate_files
+from crm.evaluation.benchmarks import (BenchmarkConfig, criteria_override, describe,
+                                       load_benchmark, run_benchmark)
 
 log = logging.getLogger("crm.eval")
 
@@ -39,6 +45,12 @@ class EvalConfig(ScorerSettings):
     paths: PathsConfig = MISSING
     name: str = MISSING
     data: EvalData = MISSING
+    benchmark: BenchmarkConfig | None = None  # the `benchmark` group: configs/benchmark/<name>.yaml
+    criteria: Any = None  # null, none, or the criteria for every prompt of the benchmark
+
+    def __post_init__(self):
+        super().__post_init__()
+        criteria_override(self.criteria)
 
 
 register_schema("eval", EvalConfig)
@@ -49,22 +61,50 @@ def evaluate(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     cfg = settings(cfg)
     paths = cfg.data.test
-    if not paths:
-        raise ConfigError("no test files: crm-eval checkpoint=DIR data.test=[FILE.jsonl,...]")
+    if not paths and cfg.benchmark is None:
+        raise ConfigError("no test files and no benchmark: crm-eval checkpoint=DIR "
+                          "data.test=[FILE.jsonl,...] or benchmark=NAME benchmark.path=PATH")
+    if cfg.criteria is not None and cfg.benchmark is None:
+        raise ConfigError(f"criteria={cfg.criteria}: a benchmark's criteria (benchmark=NAME); "
+                          "test records carry their own")
     for path in paths:
         if not Path(path).is_file():
             raise ConfigError(f"data.test: {path}: no such file")
+    for path in paths:  # every bad record of every file, before the model loads (BadRecords)
+        load_records(path, "test")
+    # Read and checked whole before the model loads: a file not in its layout stops here.
+    benchmark = cfg.benchmark and load_benchmark(cfg.benchmark, criteria_override(cfg.criteria))
+    check_not_another_run(run_dir / "metrics.json", cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     metrics, predictions = evaluate_files(scorer, paths)
-    result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics,
-              "wall_seconds": round(time.time() - started, 1)}
+    result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics}
+    if benchmark:
+        result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=cfg.progress)
+    result["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", result)
-    with open(run_dir / "predictions.jsonl", "w", encoding="utf-8") as out:
-        for path, rows in predictions.items():
-            for row in rows:
-                out.write(json.dumps({"file": path, **row}, ensure_ascii=False) + "\n")
+    if paths:
+        with open(run_dir / "predictions.jsonl", "w", encoding="utf-8") as out:
+            for path, rows in predictions.items():
+                for row in rows:
+                    out.write(json.dumps({"file": path, **row}, ensure_ascii=False) + "\n")
     return result
+
+
+def check_not_another_run(metrics: Path, cfg: EvalConfig) -> None:
+    """The run dir is outputs/eval/<name>, `default` unless name= is set: results of another
+    checkpoint, other test files or another benchmark there are not overwritten (the same
+    evaluation is re-run)."""
+    if not metrics.is_file():
+        return
+    before = json.loads(metrics.read_text(encoding="utf-8"))
+    benchmark = cfg.benchmark.name if cfg.benchmark else None
+    if (before.get("model") != str(cfg.checkpoint)
+            or sorted(before.get("files", {})) != sorted(cfg.data.test)
+            or (before.get("benchmark") or {}).get("benchmark") != benchmark):
+        raise ConfigError(f"{metrics.parent} holds the results of checkpoint={before.get('model')} "
+                          f"on other files, another benchmark or another checkpoint: give this "
+                          f"evaluation its own name= (name={cfg.name} is taken)")
 
 
 def summary(files: dict) -> str:
@@ -85,7 +125,10 @@ def summary(files: dict) -> str:
 @one_line_config_errors
 def _main(cfg: DictConfig) -> None:
     result = evaluate(cfg)
-    print(summary(result["files"]))
+    if result["files"]:
+        print(summary(result["files"]))
+    if "benchmark" in result:
+        print(describe(result["benchmark"]))
     print(f"metrics: {Path(HydraConfig.get().runtime.output_dir) / 'metrics.json'}")
 
 

@@ -91,7 +91,12 @@ def run(cfg: DictConfig) -> dict:
     criteria, contrast, labels = criteria_sets(cfg)
     topics = None if cfg.topics is None else _lines(cfg.topics)
     models = None if cfg.models is None else _lines(cfg.models)
-    selection = select(cfg.bench, cfg.baseline, topics=topics, models=models)
+    if not Path(cfg.bench).is_file():
+        raise ConfigError(f"bench={cfg.bench}: no such file")
+    try:  # a baseline, model or topic the benchmark lacks: the user's to fix, named in one line
+        selection = select(cfg.bench, cfg.baseline, topics=topics, models=models)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if selection.rejects:
         for r in selection.rejects[:10]:
             log.warning("rejected %s:%s: %s: %s", r["file"], r["line"], r["field"], r["reason"])

@@ -21,28 +21,32 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
+from crm.cli.common import (PathsConfig, benchmark_config, one_line_config_errors, register_schema,
+                            settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
-from crm.data.demo import DemoConfig, prepare_demo
+from crm.data.demo import DemoConfig, demo_shard_dir, prepare_demo
 from crm.data.manifest import load_manifest
 from crm.data.reader import training_texts
 from crm.data.stream import StreamConfig, StreamSettings
 from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
 from crm.evaluation.accuracy import evaluate_files
+from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark, run_benchmark
 from crm.inference.scorer import CRMScorer
 from crm.models import compile as compiling
 from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.lora import LoraConfig, base_record, trainable_counts
 from crm.models.tokenizer import load_or_train_tokenizer
+from crm.training import checks
 from crm.training.callbacks import CheckpointCard, ExportBest, ModelSize, ShardingReport
 from crm.training.datamodule import CRMDataModule
 from crm.training.loggers import LoggerConfig, make_logger
 from crm.training.module import CRMModule, OptimConfig
 from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
+from crm.training.progress import progress_bar
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
 from crm.training.trainer import (AgreedResume, batch_plan, device_type, leave_process_group,
@@ -135,6 +139,7 @@ class TrainConfig:
     resume: Any = MISSING  # auto, a path, or false
     export: bool = MISSING
     evaluate: bool = MISSING
+    benchmarks: dict[str, str] = MISSING  # benchmark name -> its local copy (configs/benchmark/)
 
 
 register_schema("train", TrainConfig)
@@ -151,17 +156,21 @@ def train(cfg: DictConfig) -> dict | None:
     log_per_rank()
     run: TrainConfig = settings(cfg)
     check_config(cfg)
+    checks.check_trainer(run.trainer)
+    # Read and checked at start: a benchmark file not in its layout stops the run before training.
+    benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
     compile = compile_layers(run)
+    checks.check_attention(run.model.attention, compile)
+    micro_batch, accum = batch_plan(run.global_batch_size, run.micro_batch_size,
+                                    world_size(run.trainer), run.max_micro_batch_size)
+    shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
+    checks.check_data_fits(run, shard_dir, run_dir, world_size(run.trainer))
     L.seed_everything(run.seed, workers=True)
     if run.torch_threads:
         torch.set_num_threads(run.torch_threads)
-
-    shard_dir = prepare_demo(run.data.path, run.data.demo) if run.data.demo else Path(run.data.path)
     tokenizer = load_or_train_tokenizer(
         run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
-    micro_batch, accum = batch_plan(run.global_batch_size, run.micro_batch_size,
-                                    world_size(run.trainer), run.max_micro_batch_size)
     stream = StreamConfig(**asdict(run.stream), batch_size=micro_batch, mode=run.loss.kind,
                           seed=run.seed, template=run.template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
@@ -214,12 +223,34 @@ def train(cfg: DictConfig) -> dict | None:
         return None
     if "export" in callbacks:
         callbacks["export"].export(trainer, module)
-    if "export" in callbacks and not metrics["preempted"] and run.evaluate and run.data.test_files:
+    if "export" in callbacks and not metrics["preempted"] and run.evaluate and (
+            run.data.test_files or benchmarks):
         scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-        metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
+        if run.data.test_files:
+            metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
+        if benchmarks:
+            metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
+                                                     trainer.global_step)
     metrics["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", metrics)
     return metrics
+
+
+def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger, step: int) -> dict:
+    """Each benchmark's metrics (scores.jsonl in run_dir/benchmarks/<name>), logged per subset as
+    benchmark/<name>/<figure> (global rank 0, after the process group is left)."""
+    results = {}
+    for benchmark in benchmarks:
+        result = run_benchmark(scorer, benchmark, run_dir / "benchmarks" / benchmark.name)
+        log.info("%s", describe(result))
+        results[benchmark.name] = result
+        if logger:
+            logger.log_metrics({f"benchmark/{benchmark.name}/{key}": value
+                                for key, value in result["summary"].items() if value is not None},
+                               step=step)
+    if logger:
+        logger.save()
+    return results
 
 
 def log_per_rank() -> None:
@@ -261,7 +292,14 @@ def check_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).is_dir():
             raise ConfigError(f"{key}={value}: no such directory (a local HF checkpoint dir)")
-    if not cfg.data.demo and not (Path(cfg.data.path) / "manifest.json").is_file():
+    if cfg.data.demo:
+        own = demo_shard_dir(DemoConfig(**cfg.data.demo))
+        if Path(cfg.data.path).resolve() != own.resolve():
+            # The demo's data is generated into its cache: a data.path of the user's is their
+            # shards, and the demo must neither train on them by name nor overwrite them.
+            raise ConfigError(f"data.path={cfg.data.path} with data=demo: the demo's data lives "
+                              f"in {own}; add data=shards to train on the shards at {cfg.data.path}")
+    elif not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
                           "`crm-data shard FILE.jsonl DIR`)")
 
@@ -359,10 +397,11 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bo
     if perf.log_every_n_steps:
         peak = None if perf.peak_tflops is None else perf.peak_tflops * 1e12
         callbacks["throughput"] = Throughput(perf.log_every_n_steps, gpu=perf.gpu, peak_flops=peak)
-    if run.trainer.get("enable_progress_bar", True) and device_type(run.trainer) == "cuda":
-        # The bar redraws every log_every_n_steps; it shows no loss on a GPU (CRMModule._log_sums).
-        callbacks["progress"] = L.pytorch.callbacks.TQDMProgressBar(
-            refresh_rate=run.trainer.get("log_every_n_steps", 50))
+    if run.trainer.get("enable_progress_bar", True):  # counted in micro batches (crm.training.progress)
+        # On CUDA it redraws every log_every_n_steps and shows no loss (CRMModule._log_sums): a
+        # number read from the GPU would make the host wait at each refresh.
+        cuda = device_type(run.trainer) == "cuda"
+        callbacks["progress"] = progress_bar(run.trainer.get("log_every_n_steps", 50) if cuda else None)
     if with_logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
         callbacks["lr"] = L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")
     if run.early_stopping_patience:
@@ -423,6 +462,8 @@ def main(cfg: DictConfig) -> None:
         print(f"{Path(path).stem:>20}: accuracy {m['accuracy_mean']:.4f} "
               f"(given {m['accuracy']:.4f}, swapped {m['accuracy_swapped']:.4f}, "
               f"flip {m['flip_rate']:.4f})")
+    for result in metrics.get("benchmarks", {}).values():
+        print(describe(result))
     print(f"metrics: {metrics['run_dir']}/metrics.json")
 
 

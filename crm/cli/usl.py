@@ -34,6 +34,12 @@ class ServeConfig:
     waiting: int = MISSING
     wait_timeout: float = MISSING
     queue_size: int = MISSING  # Gradio's queue
+    read_timeout: float = MISSING  # crm.app.page.HttpLimits
+    keep_alive: float = MISSING
+    connections: int = MISSING
+    max_body: int = MISSING
+    max_upload: int = MISSING
+    file_age: int = MISSING
 
 
 @dataclass
@@ -118,13 +124,13 @@ def build_app(cfg: DictConfig):
     log.info("%s: %d models x %d queries (%d rejected lines); default board in %.1f s",
              service.version, len(service.models), len(service.records),
              len(selection.rejects), time.perf_counter() - started)
-    return build(service, default, cfg.serve.queue_size), service
+    return build(service, default, cfg.serve.queue_size, cfg.serve.file_age), service
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="usl")
 @one_line_config_errors
 def main(cfg: DictConfig) -> None:
-    from crm.app.page import launch
+    from crm.app.page import HttpLimits, launch
 
     auth = basic_auth(cfg.auth_env)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes
@@ -133,7 +139,10 @@ def main(cfg: DictConfig) -> None:
           f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
           flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
-    launch(page, cfg.host, cfg.port, auth=auth)
+    serve = cfg.serve
+    launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(
+        serve.read_timeout, serve.keep_alive, serve.connections, serve.max_body, serve.max_upload,
+        serve.file_age))
 
 
 if __name__ == "__main__":

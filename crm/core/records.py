@@ -200,10 +200,12 @@ def _same_query(a: Conversation, b: Conversation) -> None:
 # the three formats
 
 
-def parse_train(obj) -> TrainRecord:
+def parse_train(obj, with_topics: bool = True) -> TrainRecord:
     """A training record: the training format, or the README format (see `as_training`).
 
-    Shards keep each input line as it was, so a shard member may be in either format.
+    Shards keep each input line as it was, so a shard member may be in either format. Each
+    criterion has its topic id (the noise transforms draw by topic); `with_topics=False` reads a
+    record whose ids are still to come (`crm-data topics`), with none.
     """
     if not isinstance(obj, dict):
         raise RecordError(f"line is {_type(obj)}, expected a JSON object")
@@ -218,14 +220,28 @@ def parse_train(obj) -> TrainRecord:
     _same_query(model_a, model_b)
     idx = obj.get("idx")
     topic = obj.get("topic")
+    criteria, topics = {}, {}
+    for side in "ab":
+        criteria[side] = _criteria(_require(obj, f"{side}_criteria"), f"{side}_criteria")
+        if not with_topics:
+            topics[side] = ()
+            continue
+        name = f"{side}_broad_criteria_topic"
+        if name not in obj:
+            raise RecordError("missing field: no topic ids yet (`crm-data topics IN.jsonl OUT.jsonl` "
+                              "fills them)", name)
+        topics[side] = _topics(obj[name], name)
+        if len(topics[side]) != len(criteria[side]):
+            raise RecordError(f"{len(topics[side])} topic ids for {len(criteria[side])} criteria: "
+                              "one per criterion (`crm-data topics` fills them)", name)
     return TrainRecord(
         human_winner=winner,
         model_a=model_a,
         model_b=model_b,
-        a_criteria=_criteria(_require(obj, "a_criteria"), "a_criteria"),
-        b_criteria=_criteria(_require(obj, "b_criteria"), "b_criteria"),
-        a_topics=_topics(_require(obj, "a_broad_criteria_topic"), "a_broad_criteria_topic"),
-        b_topics=_topics(_require(obj, "b_broad_criteria_topic"), "b_broad_criteria_topic"),
+        a_criteria=criteria["a"],
+        b_criteria=criteria["b"],
+        a_topics=topics["a"],
+        b_topics=topics["b"],
         idx=None if idx is None else _ident(idx, "idx"),
         topic=None if topic is None else _string(topic, "topic"),
     )
@@ -379,11 +395,31 @@ def read_lines(path: str | Path, fmt: str | None = None,
 
 
 def load_records(path: str | Path, fmt: str) -> list:
-    """All records of a file; raises the first RecordError (for inputs that must be clean)."""
-    records = []
+    """All records of a file (for inputs that must be clean): every defect is read first, then
+    raised together as one BadRecords, so a user fixes the file in one pass, not one line a run."""
+    records, errors = [], []
     for line in read_lines(path, fmt):
         if line.error:
-            raise line.error
-        records.append(line.record)
+            errors.append(line.error)
+        else:
+            records.append(line.record)
+    if errors:
+        raise BadRecords(str(path), errors)
     return records
 
+
+class BadRecords(RecordError):
+    """A file's defective lines: the first `shown` as file:line: field: reason, then the count.
+    As a RecordError it names the first defect's field and line."""
+
+    def __init__(self, path: str, errors: list[RecordError], shown: int = 3):
+        self.errors = errors
+        first = errors[0]
+        listed = "; ".join(str(e) for e in errors[:shown])
+        more = (f"; and {len(errors) - shown} more ({len(errors)} bad records: `crm-data validate "
+                f"{path}` lists every one)") if len(errors) > shown else ""
+        super().__init__(first.reason, first.field, first.path, first.line)
+        self.args = (listed + more,)
+
+    def __str__(self) -> str:
+        return self.args[0]

@@ -809,15 +809,21 @@ class DemoConfig:
     n_bench: int = 60  # benchmark queries
 
 
-def prepare_demo(shard_dir: str | Path, demo: DemoConfig) -> Path:
-    """The demo's shard dir: generated into `demo.out_dir`/raw and sharded into `shard_dir` unless
-    a complete cache is there already.
+def demo_shard_dir(demo: DemoConfig) -> Path:
+    """Where the demo's shards live: inside its own cache dir, never a path named for other data."""
+    return Path(demo.out_dir) / "shards"
+
+
+def prepare_demo(demo: DemoConfig) -> Path:
+    """The demo's shard dir (`demo_shard_dir`): generated into `demo.out_dir`/raw and sharded
+    beside it unless a complete cache is there already.
 
     Under srun every rank starts at once: the first one prepares under a lock, the others then
     find the cache ready. A cache from an older demo (fewer files) is regenerated, not trained on
-    and then failed.
+    and then failed. It writes only under `demo.out_dir`: a user's `data.path` is never the
+    demo's to overwrite (crm-train refuses data=demo with a data.path of its own).
     """
-    shard_dir, out_dir = Path(shard_dir), Path(demo.out_dir)
+    out_dir, shard_dir = Path(demo.out_dir), demo_shard_dir(demo)
     raw = out_dir / "raw"
     expected = [raw / "bench.jsonl"] + [raw / "test" / f"{name}.jsonl" for name in TEST_FILES]
     with FileLock(out_dir / ".prepare.lock"):

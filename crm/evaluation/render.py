@@ -1,6 +1,7 @@
 """leaderboard.md and leaderboard.png from a leaderboard.json document (crm.evaluation.leaderboard)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 
@@ -106,8 +107,12 @@ def plot(result: dict, path: str | Path) -> Path:
         ax.set_xlabel(f"Overall win rate vs {result['baseline']} (%)", fontsize=8.5)
         ax.spines[["top", "right"]].set_visible(False)
         criteria = " / ".join(f"\u201c{c}\u201d" for c in board["criteria"])
-        ax.set_title(f"{board['label']}: {_shorten(criteria, 80)}", loc="left", fontsize=10,
-                     fontweight="bold")
+        # Above the heatmap's own label, not beside it: wrapped to the bars and the heatmap's
+        # width (about 11 bold characters an inch), at most two lines.
+        title = textwrap.wrap(f"{board['label']}: {criteria}", int(11 * sum(widths[:2])))
+        if len(title) > 2:
+            title = [title[0], _shorten(" ".join(title[1:]), len(title[0]))]
+        ax.set_title("\n".join(title), loc="left", fontsize=10, fontweight="bold", pad=20)
 
         heat = fig.add_subplot(grid[b, 1])
         values = [[100 * (r["topics"][t]["win_rate"] or 0) for t in topics] for r in rows]

@@ -24,8 +24,10 @@ P(a beats b) + P(b beats a) = 1 exactly. `log_odds=True` returns the log-odds of
 probabilities instead (unbounded: the guard docs/RL.md measures).
 
 Verdicts are cached (an LRU of hashed keys, `cache_size` entries): a completion seen again under
-the same criteria and prompt costs no forward. `counts` totals completions, forwards (sequences the
-CRM ran) and cache hits over the reward's life.
+the same criteria and prompt costs no forward. So are the (criteria, query) pairs already found to
+fit the CRM's length (another LRU of hashed keys, `cache_size` entries): no cache holds raw text,
+and none grows past its size however many distinct requests arrive. `counts` totals completions,
+forwards (sequences the CRM ran) and cache hits over the reward's life.
 """
 from __future__ import annotations
 
@@ -40,12 +42,14 @@ from typing import NamedTuple
 
 import torch
 
+from crm.core.errors import excerpt
 from crm.core.examples import PairExample
 from crm.core.lru import LRU
 from crm.core.records import Conversation, Message
 from crm.inference.scorer import CRMScorer
 
 STRATEGIES = ("pointwise", "reference", "round_robin")
+FIT_CHUNK = 256  # prompts tokenized per call by the length check
 LOGIT_EPS = 1e-6  # log_odds of a pairwise probability clamps it into [eps, 1 - eps]
 
 
@@ -93,7 +97,7 @@ class CRMReward:
         self.criteria_column, self.reference_column = criteria_column, reference_column
         self.tau, self.log_odds = tau, log_odds
         self.cache = LRU(cache_size)
-        self._fits: set = set()  # (criteria, query) pairs already checked against the length limit
+        self._fits = LRU(cache_size)  # hashes of (criteria, query) pairs found to fit the length
         self.counts = Counter()
         # TRL names a reward's metrics after it (rewards/<name>/mean)
         self.__name__ = name or f"crm_{self.strategy}"
@@ -103,24 +107,55 @@ class CRMReward:
     def __call__(self, prompts: Sequence, completions: Sequence, completion_ids=None,
                  **columns) -> list[float]:
         rows = self.rows(prompts, completions, columns)
+        if self.strategy == "pointwise":
+            rewards, forwards = self._run(self._pointwise, rows)
+        elif self.strategy == "reference":
+            references = self._references(rows, columns)
+            rewards, forwards = self._run(lambda r: self._against_reference(r, references), rows)
+        else:
+            rewards, forwards = self._run(self._round_robin, rows)
+        if "log_metric" in columns:  # TRL averages these per logging step
+            columns["log_metric"](f"{self.__name__}/forwards", float(forwards))
+        return rewards
+
+    def score_groups(self, groups: Sequence[tuple]) -> list[list[float]]:
+        """Each group's rewards, for groups given as (criteria, query, completions): a benchmark's
+        prompt and its completions (texts or assistant message lists). The round robin runs within
+        each group as given, never across groups that share a prompt: a benchmark's rows are
+        separate items even where two hold the same prompt. `pointwise` or `round_robin` only."""
+        if self.strategy == "reference":
+            raise CRMRewardError("score_groups scores completions against each other or alone: "
+                                 "strategy='pointwise' or 'round_robin'")
+        rows, members = [], []
+        for g, (criteria, query, completions) in enumerate(groups):
+            conversations = [_completion(c, g) for c in completions]
+            for own, conversation in enumerate(conversations):
+                rows.append(Row(tuple(criteria), query, (), conversation))
+                members.append((conversations, own))
+        self._check_fit(rows)
+        if self.strategy == "pointwise":
+            rewards, _ = self._run(self._pointwise, rows)
+        else:
+            rewards, _ = self._run(lambda r: self._round_robin(r, members), rows)
+        out, start = [], 0
+        for _, _, completions in groups:
+            out.append(rewards[start:start + len(completions)])
+            start += len(completions)
+        return out
+
+    def _run(self, strategy, rows: list[Row]) -> tuple[list[float], int]:
+        """(rewards, forwards) of `strategy(rows)`, counted in `counts`."""
         before = self.scorer.counts["sequences"]
         try:
             with torch.inference_mode():
-                if self.strategy == "pointwise":
-                    rewards = self._pointwise(rows)
-                elif self.strategy == "reference":
-                    rewards = self._against_reference(rows, self._references(rows, columns))
-                else:
-                    rewards = self._round_robin(rows)
+                rewards = strategy(rows)
         except CRMRewardError:
             raise
         except ValueError as exc:  # the scorer's: e.g. a long multi-turn context that cannot fit
             raise CRMRewardError(str(exc)) from None
         forwards = self.scorer.counts["sequences"] - before
         self.counts.update(completions=len(rows), forwards=forwards)
-        if "log_metric" in columns:  # TRL averages these per logging step
-            columns["log_metric"](f"{self.__name__}/forwards", float(forwards))
-        return rewards
+        return rewards, forwards
 
     def rows(self, prompts: Sequence, completions: Sequence, columns: dict) -> list[Row]:
         """The completions as the CRM reads them, with their criteria; bad input is refused."""
@@ -164,8 +199,9 @@ class CRMReward:
             return self._pointwise_comparisons(pairs)
         return [self._from_probability(p) for p in self._win_probabilities(pairs)]
 
-    def _round_robin(self, rows: list[Row]) -> list[float]:
-        members = _group_members(rows)
+    def _round_robin(self, rows: list[Row], members: list | None = None) -> list[float]:
+        """`members`: each row's group and its place in it; None: groups found by value."""
+        members = members or _group_members(rows)
         # Every (completion, opponent) comparison, each distinct pair once; the rewards average them.
         opponents = [[m for j, m in enumerate(group) if j != own] for group, own in members]
         pairs = list(dict.fromkeys((r.criteria, r.query, r.conversation, o)
@@ -256,24 +292,45 @@ class CRMReward:
         """Criteria and query must fit the CRM's length with room for the answers: the length
         policy shortens answers, never the criteria, so a criteria set that does not fit can
         never be scored."""
-        encoder = self.scorer.encoder
-        empty = (Message("assistant", ""),)
-        for i, r in enumerate(rows):
-            if (r.criteria, r.query) in self._fits:
-                continue
-            if self.scorer.kind == "pairwise":
-                text = self.scorer.template.pairwise_text(r.criteria, r.query, empty, empty)
-                room = 2 * encoder.min_turn_tokens
-            else:
-                text = self.scorer.template.pointwise_text(r.criteria, r.query, empty)
-                room = encoder.min_turn_tokens
-            n = len(encoder.encode_text(text))
-            if n + room > encoder.max_tokens:
+        for i, over in enumerate(self._overflow([(r.criteria, r.query) for r in rows])):
+            if over is not None:
+                n, room = over
                 raise CRMRewardError(
                     f"row {i}: the criteria and query take {n} tokens; the CRM reads at most "
-                    f"{encoder.max_tokens} with {room} left for the answers: shorten the criteria "
-                    "(the length policy never cuts them)")
-            self._fits.add((r.criteria, r.query))
+                    f"{self.scorer.encoder.max_tokens} with {room} left for the answers: shorten "
+                    "the criteria (the length policy never cuts them)")
+
+    def fits(self, pairs: Sequence[tuple[Sequence[str], str]]) -> list[bool]:
+        """Whether each (criteria, query) leaves the answers room within the CRM's length limit."""
+        return [over is None for over in self._overflow([(tuple(c), q) for c, q in pairs])]
+
+    def _overflow(self, pairs: list[tuple[tuple[str, ...], str]]) -> list[tuple[int, int] | None]:
+        """Per (criteria, query): None when it fits, else (its tokens, the answers' least room).
+        Each distinct pair is tokenized once, in batched tokenizer calls (thousands of rows cost
+        a few passes, and only one chunk's token lists are alive), and a fitting pair is
+        remembered in the bounded cache."""
+        encoder = self.scorer.encoder
+        empty = (Message("assistant", ""),)
+        room = (2 if self.scorer.kind == "pairwise" else 1) * encoder.min_turn_tokens
+        keys = [_key("fit", criteria, query) for criteria, query in pairs]
+        todo: dict[str, str] = {}  # key -> prompt text, in first-seen order
+        for key, (criteria, query) in zip(keys, pairs):
+            if key in todo or self._fits.get(key):
+                continue
+            if self.scorer.kind == "pairwise":
+                todo[key] = self.scorer.template.pairwise_text(criteria, query, empty, empty)
+            else:
+                todo[key] = self.scorer.template.pointwise_text(criteria, query, empty)
+        texts = list(todo.values())
+        lengths = [len(ids) for start in range(0, len(texts), FIT_CHUNK)
+                   for ids in encoder.encode_texts(texts[start:start + FIT_CHUNK])]
+        over: dict[str, tuple[int, int]] = {}
+        for key, n in zip(todo, lengths):
+            if n + room > encoder.max_tokens:
+                over[key] = n, room
+            else:
+                self._fits.put(key, True)
+        return [over.get(key) for key in keys]
 
 
 def load_crm_scorer(path: str | Path, **kwargs) -> CRMScorer:
@@ -301,7 +358,7 @@ def _criteria(value, row: int, column: str) -> tuple[str, ...]:
     criteria = tuple(c.strip() for c in value if isinstance(c, str))
     if len(criteria) != len(value) or not criteria or not all(criteria):
         raise CRMRewardError(f"row {row}: '{column}' is empty or holds an empty or non-string "
-                             f"criterion: {value!r}")
+                             f"criterion: {excerpt(value)}")
     return criteria
 
 
@@ -317,7 +374,8 @@ def _text(content) -> str:
 
 def _messages(value, row: int, what: str) -> Conversation:
     try:
-        return tuple(Message(m["role"], _text(m["content"])) for m in value)
+        return tuple(m if isinstance(m, Message) else Message(m["role"], _text(m["content"]))
+                     for m in value)
     except (TypeError, KeyError) as exc:
         raise CRMRewardError(f"row {row}: {what} is neither text nor a list of "
                              f"{{role, content}} messages ({exc!r})") from None

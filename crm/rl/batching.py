@@ -64,7 +64,9 @@ class MicroBatcher:
         """Each call's values (or its exception), from one score() when every call is good."""
         try:
             values = self.score([item for items in calls for item in items])
-        except Exception:
+        except Exception as exc:
+            if len(calls) == 1:  # its own error: no second pass over a large refused request
+                return [exc]
             out = []
             for items in calls:  # find whose it is, call by call
                 try:

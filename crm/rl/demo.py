@@ -163,16 +163,17 @@ def read_prompts(path: str | Path) -> dict[str, list[str]]:
 def run(plan: Plan, out_dir: Path) -> dict:
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(plan.device) if plan.device else None
-    crm = load_crm_scorer(plan.checkpoint, batch_size=plan.reward.batch_size, device=device)
-    strategy = CRMReward(crm, plan.reward.strategy).strategy
-    answers = read_prompts(plan.prompts)
+    answers = read_prompts(plan.prompts)  # before the CRM loads: a prompt file that cannot work stops here
     queries = sorted(answers)
     random.Random(plan.seed).shuffle(queries)
     held_out, train_queries = queries[:plan.measure.prompts], queries[plan.measure.prompts:]
     if not train_queries:
         raise PlanError(f"{plan.prompts}: {len(queries)} distinct prompts, all held out for the "
-                         f"measurement (measure.prompts={plan.measure.prompts})")
+                        f"measurement (measure.prompts={plan.measure.prompts}); set measure.prompts "
+                        f"to about a quarter of them (measure.prompts={max(1, len(queries) // 4)})")
+    device = torch.device(plan.device) if plan.device else None
+    crm = load_crm_scorer(plan.checkpoint, batch_size=plan.reward.batch_size, device=device)
+    strategy = CRMReward(crm, plan.reward.strategy).strategy
     references = {q: answers[q][0] for q in held_out}
 
     policy, tokenizer, policy_info = _initial_policy(plan, crm, answers)

@@ -48,7 +48,7 @@ def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None
     columns, which TRL passes to the rewards per completion.
     """
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
     from trl.rewards import get_soft_overlong_punishment
 
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in queries]
@@ -61,7 +61,7 @@ def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None
         funcs.append(get_soft_overlong_punishment(settings.max_completion_length,
                                                   settings.overlong_cache))
     cuda = torch.cuda.is_available()
-    args = GRPOConfig(
+    args = grpo_config(
         output_dir=str(output_dir), use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(),
         seed=seed, data_seed=seed, max_steps=settings.max_steps,
         per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
@@ -77,3 +77,16 @@ def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None
     trainer.train()
     policy.eval()
     return trainer.state.log_history
+
+
+def grpo_config(**kwargs):
+    """TRL's GRPOConfig, without the FutureWarning transformers raises for the `gradient_checkpointing`
+    name TRL itself still sets (not ours to rename: every crm-rl run would print it)."""
+    import warnings
+
+    from trl import GRPOConfig
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return GRPOConfig(**kwargs)

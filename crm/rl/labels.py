@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
+from crm.core.errors import excerpt
 from crm.inference.reward import CRMRewardError
 
 
@@ -30,11 +31,14 @@ def parse_label(value, row: int) -> Label:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise CRMRewardError(f"row {row}: the label looks like JSON but is not ({exc.msg})") from None
+        except (RecursionError, ValueError):  # nested past the parser's depth; a huge number
+            raise CRMRewardError(f"row {row}: the label's JSON is nested too deeply or holds a "
+                                 "number too long to read") from None
     if isinstance(value, dict):
         unknown = set(value) - {"criteria", "query", "reference"}
         if unknown:
-            raise CRMRewardError(f"row {row}: unknown label keys {sorted(unknown)}; a label holds "
-                                 "criteria, query and reference")
+            raise CRMRewardError(f"row {row}: unknown label keys {excerpt(sorted(unknown))}; a label "
+                                 "holds criteria, query and reference")
         criteria = value.get("criteria")
         query, reference = value.get("query"), value.get("reference")
         for name, text in (("query", query), ("reference", reference)):
@@ -45,6 +49,6 @@ def parse_label(value, row: int) -> Label:
     if isinstance(criteria, str):
         criteria = [criteria] if criteria.strip() else []  # "" holds no criterion
     if not isinstance(criteria, list) or not criteria:
-        raise CRMRewardError(f"row {row}: no criteria in the label {value!r}: a list of strings, "
-                             "one string, or {\"criteria\": [...]}")
+        raise CRMRewardError(f"row {row}: no criteria in the label {excerpt(value)}: a list of "
+                             "strings, one string, or {\"criteria\": [...]}")
     return Label(criteria, query, reference)

@@ -25,12 +25,22 @@ standard library server's queue of 5 reset them), and concurrent requests are sc
 one reward call on one worker thread (crm/rl/batching.py; `batch_wait` seconds to gather them).
 OpenRLHF scores each sample alone, so strategy `round_robin` (which needs the whole group) is
 refused: `reference` (the label's reference answer) for a pairwise CRM, `pointwise` for a
-pointwise one. Bad requests get HTTP 400 with {"error": "..."} (bodies over `max_body` bytes 413),
-and every refusal is logged here with its reason: OpenRLHF's client logs only the status.
+pointwise one. Bad requests get HTTP 400 with {"error": "..."} (bodies over `Limits.body` bytes
+413), and every refusal is logged here with its reason: OpenRLHF's client logs only the status.
+
+Hostile or degenerate input (a looping policy emits megabytes) is bounded before any expensive
+work (`Limits`): characters per prompt, response and label (CHARS_PER_TOKEN per token of the CRM's
+length; a query twice that), JSON nesting, samples per request, body bytes. A refusal quotes at
+most about 200 characters of the value at fault, in the answer and in the log. Parsing and sample
+splitting run on worker threads, never on the event loop, and take time linear in the input. A
+request's head and its body must each arrive within `read_timeout` seconds (408 and closed, or
+closed), an idle kept-alive connection is closed after `keep_alive` seconds, and past
+`connections` open connections uvicorn answers 503 at once.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import re
@@ -38,11 +48,15 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import NamedTuple
 
 import uvicorn
 
+from crm.core.errors import excerpt
+from crm.core.http import BodyTooLarge, read_body, send_json, server_config
 from crm.inference.reward import CRMReward, CRMRewardError
 from crm.rl.batching import MicroBatcher
 from crm.rl.labels import parse_label
@@ -53,16 +67,59 @@ CHAT_USER = (re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S),  # Chat
              re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S))
 MAX_BODY = 16 * 2**20
 MAX_ITEMS = 4096
+# Characters a prompt, a response or a label may hold per token of the CRM's length (max_tokens):
+# text that many times longer than the CRM reads is degenerate (natural text is 3-5 characters a
+# token), and refusing it first keeps megabytes out of the tokenizer.
+CHARS_PER_TOKEN = 16
+MAX_DEPTH = 8  # JSON nesting; the format needs 4 (body, its lists, a label object, its criteria)
+READ_TIMEOUT = 30.0  # seconds for a request's head, and again for its body
+KEEP_ALIVE = 5  # seconds an idle kept-alive connection stays open (uvicorn's default)
+MAX_CONNECTIONS = 4096  # open connections; past them uvicorn answers 503 (OpenRLHF retries)
 # A left-truncated query must still hold this many characters of its prompt's end (the
 # generation header: ChatML's "<|im_start|>assistant\n" is 22), so an unrelated query is refused.
 MIN_OVERLAP = 16
 # Pending connections the kernel queues (capped by net.core.somaxconn): OpenRLHF opens one per
 # sample, a rollout batch at once; past the queue the kernel resets them.
 LISTEN_QUEUE = 4096
+MAX_REASON = 1000  # characters of a refusal's reason, in the answer and the log
 
 
 class RequestError(ValueError):
     """A request the server answers with 400."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold and how long it may take to arrive (docs/RL.md, "OpenRLHF")."""
+
+    chars: int  # per prompt, response and label (its strings summed); a query (both) twice this
+    items: int = MAX_ITEMS  # samples per request
+    depth: int = MAX_DEPTH  # JSON nesting
+    body: int = MAX_BODY  # bytes
+    read_timeout: float = READ_TIMEOUT
+    keep_alive: int = KEEP_ALIVE
+    connections: int = MAX_CONNECTIONS
+
+    @classmethod
+    def of(cls, reward: CRMReward, chars: int | None = None, **kwargs) -> Limits:
+        """The limits for `reward`'s CRM: `chars` defaults to CHARS_PER_TOKEN x its max_tokens."""
+        return cls(chars or CHARS_PER_TOKEN * reward.scorer.encoder.max_tokens, **kwargs)
+
+
+def measure(value, max_depth: int) -> int:
+    """The characters of `value`'s strings (keys included), walked without recursion; nesting
+    deeper than `max_depth` is refused."""
+    chars, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, (list, dict)):
+            if depth > max_depth:
+                raise RequestError(f"JSON nested deeper than {max_depth} levels")
+            children = [x for pair in item.items() for x in pair] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return chars
 
 
 class Sample(NamedTuple):
@@ -76,30 +133,59 @@ def response_after(query: str, prompt: str) -> str | None:
     """The response in `query` (prompt + response), or None when `query` holds no end of `prompt`.
 
     OpenRLHF cuts an over-long prompt's tokens from the left and decodes what is left, so the query
-    may start anywhere inside the prompt (its first character may be a broken byte, U+FFFD)."""
+    may start anywhere inside the prompt (its first character may be a broken byte, U+FFFD). The
+    end piece is a prefix of the query no longer than the prompt: the search reads at most that
+    much of the query, in time linear in the prompt's length."""
     if query.startswith(prompt):
         return query[len(prompt):]
     text = query.lstrip("\ufffd")
-    tail = prompt[-MIN_OVERLAP:]
-    end, at = None, text.find(tail)
-    while at >= 0:
-        if prompt.endswith(text[:at + len(tail)]):
-            end = at + len(tail)  # the last match: the longest end piece of the prompt
-        at = text.find(tail, at + 1)
-    return None if end is None else text[end:]
+    head = text[:len(prompt)]
+    start = prompt.find(head[:MIN_OVERLAP]) if len(head) >= MIN_OVERLAP else -1
+    if start < 0:
+        return None
+    # The earliest occurrence of the query's first characters starts the longest candidate: it
+    # is the answer whenever the rest of the prompt follows (OpenRLHF's cut, nearly always).
+    if head.startswith(prompt[start:]):
+        return text[len(prompt) - start:]
+    end = _longest_end_piece(prompt, head)
+    return text[end:] if end >= MIN_OVERLAP else None
 
 
-def split_sample(query: str, prompt: str, label, row: int) -> Sample:
-    """One OpenRLHF sample as the CRM reads it."""
+def _longest_end_piece(prompt: str, head: str) -> int:
+    """The length of the longest prefix of `head` that `prompt` ends with (Knuth-Morris-Pratt:
+    one pass over each, whatever repeats they hold)."""
+    border = [0] * len(head)  # border[i]: the longest proper prefix of head[:i+1] ending it
+    k = 0
+    for i in range(1, len(head)):
+        while k and head[i] != head[k]:
+            k = border[k - 1]
+        if head[i] == head[k]:
+            k += 1
+        border[i] = k
+    k = 0
+    for char in prompt:
+        while k and (k == len(head) or char != head[k]):
+            k = border[k - 1]
+        if k < len(head) and char == head[k]:
+            k += 1
+    return k
+
+
+def split_sample(query: str, prompt: str, label, row: int, limits: Limits) -> Sample:
+    """One OpenRLHF sample as the CRM reads it, its sizes checked before any other work."""
     if not isinstance(query, str) or not isinstance(prompt, str):
         raise RequestError(f"row {row}: query and prompts must be strings")
     if label is None or (isinstance(label, str) and not label.strip()):
         raise RequestError(f"row {row}: no criteria in the label (it is empty: OpenRLHF sends the "
                            "dataset column --data.label_key names)")
+    _check_size(row, "query", query, len(query), 2 * limits.chars)
+    _check_size(row, "prompt", prompt, len(prompt), limits.chars)
+    _check_size(row, "label", label, measure(label, limits.depth), limits.chars)
     response = response_after(query, prompt)
     if response is None:
         raise RequestError(f"row {row}: the query holds neither its prompt nor an end piece of it "
                            f"({MIN_OVERLAP}+ characters) followed by the response")
+    _check_size(row, "response", response, len(response), limits.chars)
     stripped = True
     while stripped:
         stripped = False
@@ -117,7 +203,28 @@ def split_sample(query: str, prompt: str, label, row: int) -> Sample:
     return Sample(user, response.strip(), parsed.criteria, parsed.reference)
 
 
-def samples_of(body, strategy: str) -> list[Sample]:
+def _check_size(row: int, what: str, value, size: int, most: int) -> None:
+    if size > most:
+        raise RequestError(f"row {row}: the {what} holds {size} characters; at most {most} "
+                           f"({CHARS_PER_TOKEN} per token the CRM reads; --max-chars raises it): "
+                           f"{excerpt(value)}")
+
+
+def parse_body(body: bytes, strategy: str, limits: Limits) -> list[Sample]:
+    """The samples of one request body as bytes; bad input: RequestError."""
+    try:
+        data = json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(f"JSON nested deeper than {limits.depth} levels") from None
+    except ValueError as exc:  # e.g. a number past Python's digit limit
+        raise RequestError(f"not JSON this server reads: {excerpt(str(exc))}") from None
+    measure(data, limits.depth)
+    return samples_of(data, strategy, limits)
+
+
+def samples_of(body, strategy: str, limits: Limits) -> list[Sample]:
     """The samples of one request body (the format of the module doc); bad input: RequestError."""
     if not isinstance(body, dict) or not all(isinstance(body.get(k), list)
                                              for k in ("query", "prompts", "labels")):
@@ -125,9 +232,10 @@ def samples_of(body, strategy: str) -> list[Sample]:
     queries, prompts, labels = body["query"], body["prompts"], body["labels"]
     if not len(queries) == len(prompts) == len(labels):
         raise RequestError(f"{len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels")
-    if len(queries) > MAX_ITEMS:
-        raise RequestError(f"{len(queries)} samples in one request; at most {MAX_ITEMS}")
-    samples = [split_sample(q, p, lab, i) for i, (q, p, lab) in enumerate(zip(queries, prompts, labels))]
+    if len(queries) > limits.items:
+        raise RequestError(f"{len(queries)} samples in one request; at most {limits.items}")
+    samples = [split_sample(q, p, lab, i, limits)
+               for i, (q, p, lab) in enumerate(zip(queries, prompts, labels))]
     missing = [i for i, s in enumerate(samples) if s.reference is None]
     if strategy == "reference" and missing:
         raise RequestError(f"rows {missing[:5]}: strategy 'reference' needs a reference answer: "
@@ -151,9 +259,12 @@ def answer(values: list[float]) -> dict:
 class RewardApp:
     """The ASGI application: POST a request body (any path, as OpenRLHF's URL says), get rewards."""
 
-    def __init__(self, reward: CRMReward, batch_wait: float = 0.01, max_body: int = MAX_BODY):
-        self.reward, self.max_body = reward, max_body
+    def __init__(self, reward: CRMReward, batch_wait: float = 0.01, limits: Limits | None = None):
+        self.reward, self.limits = reward, limits or Limits.of(reward)
         self.batcher = MicroBatcher(lambda samples: score(reward, samples), batch_wait)
+        # Parsing and splitting off the event loop, on threads of their own: a large request is
+        # never parsed behind a scoring, nor makes the loop wait.
+        self.parser = ThreadPoolExecutor(2, thread_name_prefix="crm-parse")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -162,37 +273,38 @@ class RewardApp:
         if scope["method"] != "POST":
             return await self._refuse(send, client, HTTPStatus.METHOD_NOT_ALLOWED,
                                       f"{scope['method']}: POST the request body")
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_body:
-                return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                          f"body over {self.max_body} bytes")
         try:
-            samples = samples_of(json.loads(body or b"null"), self.reward.strategy)
+            body = await read_body(receive, self.limits.body, self.limits.read_timeout)
+        except TimeoutError:
+            return await self._refuse(send, client, HTTPStatus.REQUEST_TIMEOUT, "the body did not "
+                                      f"arrive within {self.limits.read_timeout:g} s", close=True)
+        except BodyTooLarge as exc:
+            return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc),
+                                      close=True)
+        try:
+            samples = await asyncio.get_running_loop().run_in_executor(
+                self.parser, parse_body, body, self.reward.strategy, self.limits)
+            del body
             values = await self.batcher(samples)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return await self._refuse(send, client, HTTPStatus.BAD_REQUEST, f"not JSON: {exc}")
         except (RequestError, CRMRewardError) as exc:
             return await self._refuse(send, client, HTTPStatus.BAD_REQUEST, str(exc))
-        except Exception as exc:  # the client gets an answer
+        except Exception as exc:  # the client gets an answer, the log the traceback
             log.exception("scoring failed")
-            return await self._refuse(send, client, HTTPStatus.INTERNAL_SERVER_ERROR, repr(exc))
-        await self._send(send, HTTPStatus.OK, answer(values))
+            return await self._refuse(send, client, HTTPStatus.INTERNAL_SERVER_ERROR,
+                                      f"internal error ({type(exc).__name__}): the server logged it")
+        await send_json(send, HTTPStatus.OK, answer(values))
 
-    async def _refuse(self, send, client: str, status: HTTPStatus, reason: str) -> None:
+    async def _refuse(self, send, client: str, status: HTTPStatus, reason: str,
+                      close: bool = False) -> None:
+        # Messages quote user input through excerpt(); the cut and the escapes are the last guard
+        # (a log handler writing UTF-8 fails on a lone surrogate).
+        reason = reason[:MAX_REASON].encode("utf-8", "backslashreplace").decode("utf-8")
         log.warning("%s %d %s", client, status, reason)  # OpenRLHF's client logs only the status
-        await self._send(send, status, {"error": reason})
+        await send_json(send, status, {"error": reason}, close)
 
-    @staticmethod
-    async def _send(send, status: HTTPStatus, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        await send({"type": "http.response.start", "status": int(status),
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+    def close(self) -> None:
+        self.batcher.close()
+        self.parser.shutdown(wait=False)
 
 
 class RewardServer:
@@ -202,8 +314,11 @@ class RewardServer:
         self.app = app
         self.socket = socket.create_server((host, port), backlog=LISTEN_QUEUE)
         self.host, self.port = host, self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, backlog=LISTEN_QUEUE, lifespan="off",
-                                                    access_log=False, log_level="warning"))
+        limits = app.limits
+        self.server = uvicorn.Server(server_config(
+            app, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
+            connections=limits.connections, backlog=LISTEN_QUEUE, lifespan="off",
+            access_log=False, log_level="warning"))
         self.thread: threading.Thread | None = None
 
     @property
@@ -226,17 +341,17 @@ class RewardServer:
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout=30)
-        self.app.batcher.close()
+        self.app.close()
         self.socket.close()
 
 
 def make_server(reward: CRMReward, host: str = "127.0.0.1", port: int = 5000,
-                batch_wait: float = 0.01, max_body: int = MAX_BODY) -> RewardServer:
+                batch_wait: float = 0.01, limits: Limits | None = None) -> RewardServer:
     """The server, bound but not serving: serve_forever(), or start() ... close()."""
     if reward.strategy == "round_robin":
         raise CRMRewardError("OpenRLHF scores each sample alone: round_robin needs the whole group; "
                              "use strategy 'reference' (a pairwise CRM) or 'pointwise'")
-    return RewardServer(RewardApp(reward, batch_wait, max_body), host, port)
+    return RewardServer(RewardApp(reward, batch_wait, limits), host, port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +367,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-wait", type=float, default=0.01,
                         help="seconds a request waits for others to share its batch")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:1 (default: cuda if visible)")
+    parser.add_argument("--max-chars", type=int, default=None,
+                        help=f"characters per prompt, response and label (a query: twice); default "
+                             f"{CHARS_PER_TOKEN} x the CRM's max_tokens")
+    parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
+                        help="seconds a request's head, then its body, may take to arrive")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help="open connections; past them the server answers 503")
+    parser.add_argument("--cache-size", type=int, default=100_000,
+                        help="entries of the verdict cache and of the criteria-fit cache (LRU)")
     args = parser.parse_args(argv)
+    for flag in ("max_chars", "read_timeout", "max_connections", "cache_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import torch
 
@@ -262,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         scorer = load_crm_scorer(args.checkpoint, batch_size=args.batch_size,
                                  device=torch.device(args.device) if args.device else None)
         strategy = args.strategy or ("pointwise" if scorer.kind == "pointwise" else "reference")
-        reward = CRMReward(scorer, strategy, tau=args.tau, log_odds=args.log_odds)
-        server = make_server(reward, args.host, args.port, args.batch_wait)
+        reward = CRMReward(scorer, strategy, tau=args.tau, log_odds=args.log_odds,
+                           cache_size=args.cache_size)
+        limits = Limits.of(reward, args.max_chars, read_timeout=args.read_timeout,
+                           connections=args.max_connections)
+        server = make_server(reward, args.host, args.port, args.batch_wait, limits)
     except (CRMRewardError, OSError) as exc:
         print(f"crm.rl.openrlhf: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Sweeps (Hydra multiruns): a job's axes are its overrides (`parse_overrides`: what crm-train tags
 a sweep's runs with), and one table across a sweep's runs: the varied axes, each test set's
-accuracy, flip rate, steps, wall time. The table reads each run's `.hydra/overrides.yaml` and
+accuracy, each benchmark's figures (`benchmarks`: its headline, then per subset), flip rate,
+steps, wall time. The table reads each run's `.hydra/overrides.yaml` and
 `metrics.json`; nothing else.
 """
 from __future__ import annotations
@@ -60,11 +61,26 @@ def test_sets(runs: list[Run]) -> list[str]:
     return list(names)
 
 
+def benchmark_columns(runs: list[Run]) -> list[str]:
+    """`<benchmark>/<figure>` for every figure of every benchmark a run scored, in first-seen order."""
+    names: dict[str, None] = {}
+    for run in runs:
+        for name, result in run.metrics.get("benchmarks", {}).items():
+            names.update(dict.fromkeys(f"{name}/{key}" for key in result.get("summary", {})))
+    return list(names)
+
+
+def _benchmark_figure(run: Run, column: str):
+    name, key = column.split("/", 1)
+    value = run.metrics.get("benchmarks", {}).get(name, {}).get("summary", {}).get(key)
+    return "" if value is None else round(value, 4)
+
+
 def table(runs: list[Run]) -> tuple[list[str], list[list]]:
-    """(header, rows): axes, accuracy (mean of both orders) per test set, mean flip rate, steps,
-    wall seconds. A value a run lacks is empty."""
-    axes, sets = varied_axes(runs), test_sets(runs)
-    header = axes + [f"acc/{s}" for s in sets] + ["flip_rate", "steps", "wall_s"]
+    """(header, rows): axes, accuracy (mean of both orders) per test set, the benchmarks'
+    figures, mean flip rate, steps, wall seconds. A value a run lacks is empty."""
+    axes, sets, benchmarks = varied_axes(runs), test_sets(runs), benchmark_columns(runs)
+    header = axes + [f"acc/{s}" for s in sets] + benchmarks + ["flip_rate", "steps", "wall_s"]
     rows = []
     for run in runs:
         by_set = {Path(p).stem: m for p, m in run.metrics.get("eval", {}).items()}
@@ -72,6 +88,7 @@ def table(runs: list[Run]) -> tuple[list[str], list[list]]:
         train = run.metrics.get("train", {})
         rows.append([run.overrides.get(a, "") for a in axes]
                     + [by_set.get(s, {}).get("accuracy_mean", "") for s in sets]
+                    + [_benchmark_figure(run, column) for column in benchmarks]
                     + [round(sum(flips) / len(flips), 4) if flips else "",
                        train.get("global_step", ""), run.metrics.get("wall_seconds", "")])
     return header, rows

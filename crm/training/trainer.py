@@ -73,7 +73,9 @@ def resolve_sharding(parallel: ParallelConfig, trainer: dict,
         return parallel
     nodes = int(trainer.get("num_nodes", 1))
     per_node = world_size(trainer) // nodes
-    choice = choose(nodes, per_node) if trainer.get("strategy") == "fsdp" else "fsdp"
+    if trainer.get("strategy") != "fsdp":  # nothing is sharded: nothing to say
+        return replace(parallel, sharding="fsdp")
+    choice = choose(nodes, per_node)
     log.info("parallel.sharding=auto: %s (%d node(s) x %d rank(s))", choice, nodes, per_node)
     return replace(parallel, sharding=choice)
 

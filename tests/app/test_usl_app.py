@@ -14,8 +14,10 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,6 +37,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 MODELS = sorted(BENCH_MODELS)
 # Two criteria as the demo's users write them (a CRM trained on the demo follows them)
 CRITERIA = [TRAIN_WORDINGS["concise"][0], TRAIN_WORDINGS["prose"][1]]
+READ_TIMEOUT = 2  # serve.read_timeout of the served app: a stalled connection's deadline
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -62,21 +65,28 @@ def app(tmp_path_factory):
         write_demo(root / "demo", n_train=0, n_test=2, n_bench=12)
     url = f"http://127.0.0.1:{free_port()}"
     log = root / "server.log"
+    temp = {"TMPDIR": root / "tmp", "GRADIO_TEMP_DIR": root / "gradio"}  # what it leaves behind
+    for path in temp.values():
+        path.mkdir()
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "crm-usl"), f"checkpoint={export}",
              f"bench={bench}", f"baseline={BENCH_BASELINE}", f"port={urlsplit(url).port}",
-             f"cache.dir={root / 'cache'}", f"hydra.run.dir={root / 'run'}"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             f"cache.dir={root / 'cache'}", f"hydra.run.dir={root / 'run'}",
+             f"serve.read_timeout={READ_TIMEOUT}"],
+            stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in temp.items()}})
     wait_for_server(url, proc, log)
     counts = Counter(json.loads(line)["topic"] for line in bench.read_text().splitlines())
-    yield {"url": url, "root": root, "export": export, "bench": bench, "log": log,
+    yield {"url": url, "root": root, "export": export, "bench": bench, "log": log, "pid": proc.pid,
            "topics": [t for t, _ in counts.most_common(2)], "all_topics": list(counts)}
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     proc.wait(timeout=60)
     output = log.read_text()
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+    # the per-board CSVs and Gradio's files (downloads, uploads) are deleted at exit
+    assert not [p for path in temp.values() for p in path.rglob("*") if p.is_file()]
 
 
 # -- the API --------------------------------------------------------------------------------------
@@ -283,3 +293,70 @@ def test_the_page_shows_bad_input_as_text(app, page):
     assert page.locator("#board-info img").count() == 0
     assert page.evaluate("window.__xss") is None
     assert "Traceback" not in page.content()
+
+
+# -- hostile and oversized requests (issue 35) ------------------------------------------------------
+
+def raw_request(url: str, data: bytes, timeout: float = 10) -> bytes:
+    """`data` on a fresh connection; everything the server sends until it closes it."""
+    address = urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=timeout) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_the_http_layer_refuses_a_50mb_body_and_an_upload_over_the_limit(app):
+    """A 50 MB body is refused (413) from its Content-Length, before a byte of it is read; an
+    upload over max_upload (the page has no upload field) is refused by Gradio."""
+    head = (f"POST /gradio_api/call/rank HTTP/1.1\r\nHost: {urlsplit(app['url']).netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {50 * 2**20}\r\n\r\n").encode()
+    t0 = time.perf_counter()
+    answer = raw_request(app["url"], head + b'{"data": ["' + b"x" * 65536)
+    assert answer.startswith(b"HTTP/1.1 413") and b"over 1048576 bytes" in answer
+    assert time.perf_counter() - t0 < 5
+    upload = httpx.post(f"{app['url']}/gradio_api/upload",
+                        files={"files": ("big.txt", b"x" * 4096, "text/plain")}, timeout=30)
+    assert upload.status_code == 413, upload.text
+
+
+def api_call(url: str, data: list) -> str:
+    """/rank called over raw HTTP as any script may (no client to check or fill the inputs):
+    the event stream of its answer."""
+    event = httpx.post(f"{url}/gradio_api/call/rank", content=json.dumps({"data": data}),
+                       headers={"Content-Type": "application/json"}, timeout=30)
+    assert event.status_code == 200, event.text
+    return httpx.get(f"{url}/gradio_api/call/rank/{event.json()['event_id']}", timeout=120).text
+
+
+@pytest.mark.parametrize("data, message", [
+    ([5, []], "The criteria must be text, not int."),
+    ([{"a": 1}, []], "The criteria must be text, not dict."),
+    (["be brief\ud800", []], "a lone surrogate"),
+    (["be brief", [7]], "Topics must be a list of topic names"),
+    (["be brief"], "rank: 1 of its 2 inputs given"),
+    ([], "rank: 0 of its 2 inputs given"),
+], ids=["number", "object", "surrogate", "topic-number", "one-input", "no-input"])
+def test_api_mistakes_are_messages_to_the_user(app, data, message):
+    answer = api_call(app["url"], data)
+    assert "event: error" in answer and message in answer, answer
+
+
+
+def test_stalled_connections_are_closed_within_the_read_timeout(app):
+    """A part of a head, or a head and part of a body, then nothing: the server closes each
+    within serve.read_timeout (the second after a 408)."""
+    netloc = urlsplit(app["url"]).netloc
+    head = f"POST /gradio_api/call/rank HTTP/1.1\r\nHost: {netloc}\r\n".encode()
+    results = []
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda data=data: results.append(raw_request(app["url"], data)))
+               for data in [head] * 10 + [head + b"Content-Length: 100\r\n\r\n{"] * 10]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=READ_TIMEOUT + 15)
+    assert len(results) == 20 and time.perf_counter() - t0 < READ_TIMEOUT + 8
+    assert sorted(r[:12] for r in results) == [b""] * 10 + [b"HTTP/1.1 408"] * 10

@@ -25,6 +25,7 @@ from crm.core.errors import ConfigError
 from crm.core.prompts import PromptTemplate
 from crm.data.stream import StreamSettings
 from crm.data.transforms import TransformSettings
+from crm.evaluation.benchmarks import BenchmarkConfig
 from crm.evaluation.leaderboard import Bootstrap
 from crm.models.factory import LossConfig, ModelConfig
 from crm.training.loggers import LoggerConfig
@@ -56,9 +57,20 @@ def yaml_keys_match_fields(section: dict, schema: type, where: str) -> None:
 @pytest.mark.parametrize("command", SCHEMAS)
 def test_every_field_of_a_schema_is_a_key_of_its_yaml(command):
     raw = yaml.safe_load((CONFIG_DIR / f"{command}.yaml").read_text())
-    groups = {next(iter(d)) for d in raw.pop("defaults") if isinstance(d, dict)} - {"experiment"}
+    groups = {next(iter(d)) for d in raw.pop("defaults")
+              if isinstance(d, dict) and not next(iter(d)).startswith("override hydra/")} - {"experiment"}
     raw.pop("hydra")
     yaml_keys_match_fields({**raw, **dict.fromkeys(groups)}, SCHEMAS[command], command)
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONFIG_DIR / "benchmark").glob("*.yaml")))
+def test_every_benchmark_option_is_its_schema_and_composes(option, tmp_path):
+    raw = yaml.safe_load((CONFIG_DIR / "benchmark" / f"{option}.yaml").read_text())
+    yaml_keys_match_fields(raw, BenchmarkConfig, f"benchmark/{option}")
+    run = settings(compose_config("eval", [f"benchmark={option}", f"paths.root_dir={tmp_path}"]))
+    assert isinstance(run.benchmark, BenchmarkConfig) and run.benchmark.name == option
+    assert run.benchmark.path == f"{tmp_path}/data/benchmarks/{option}"  # where the docs download it
+    assert run.criteria is None and settings(compose_config("eval", [])).benchmark is None
 
 
 @pytest.mark.parametrize("command, override", [
@@ -85,9 +97,14 @@ def test_a_wrong_type_or_an_unknown_key_stops_the_composition(command, override)
     (["preemption.signal=SIGFOO"], "preemption.signal=SIGFOO: not a signal name"),
     (["template.criterion='{answer}'"], "template criterion: KeyError\\('answer'\\)"),
     (["data=shards"], "data.path: required, and not set"),
+    (("eval", ["criteria=[]"]), "criteria=\\[\\]: null .*, none"),
+    (("eval", ["benchmark=pairs", "benchmark.name=arena"]), "benchmark=arena: expected one of"),
+    (("eval", ["benchmark=rmbench", "benchmark.criteria.chat=[]"]),
+     "benchmark.criteria.chat: a non-empty list"),
 ])
 def test_a_value_outside_a_keys_choices_is_a_config_error(overrides, message):
-    cfg = compose_config("train", overrides)
+    command, overrides = overrides if isinstance(overrides, tuple) else ("train", overrides)
+    cfg = compose_config(command, overrides)
     with pytest.raises(ConfigError, match=message):
         settings(cfg)
 

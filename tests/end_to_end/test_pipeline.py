@@ -20,10 +20,13 @@ from openai_stub import StubLLM
 from scorers import run_cli
 from vote_files import arena_55k_row, write_csv
 
+import crm.cli.eval
+import crm.cli.leaderboard
 from crm.cli.train import train
 from crm.core.errors import ConfigError
 from crm.core.records import Message
 from crm.data.demo import write_demo
+from data_tools.cli import main as crm_data
 from data_tools.criteria import render_response
 
 BIN = Path(sys.executable).parent
@@ -79,7 +82,10 @@ def arena_csv_from_demo(records: list[dict], path: Path) -> dict[tuple, tuple]:
 
 
 @pytest.mark.slow
-def test_votes_to_a_crm_that_reads_criteria(tmp_path):
+def test_votes_to_a_crm_that_reads_criteria(tmp_path, monkeypatch, capsys):
+    """Also a newcomer's walk (README, "Your own small data"): validate, shard, train, then crm-eval
+    and crm-leaderboard on the export (in process: the console scripts' one-line errors are
+    tests/cli/test_first_hour.py's)."""
     raw = tmp_path / "raw"
     write_demo(raw, n_train=1500, n_test=200, n_bench=1)
     records = [json.loads(x) for x in (raw / "train.jsonl").read_text().splitlines()]
@@ -98,6 +104,7 @@ def test_votes_to_a_crm_that_reads_criteria(tmp_path):
             (r["a_criteria"], r["b_criteria"], r["human_winner"])
         assert (row["model_a"], row["model_b"]) == (r["model_a"], r["model_b"])
     assert summary["topics"]["topics"] == 12
+    assert crm_data(["validate", str(data / "train.jsonl")]) == 0
 
     done = command("crm-data", "shard", data / "train.jsonl", shards, "--strict", root=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -118,3 +125,19 @@ def test_votes_to_a_crm_that_reads_criteria(tmp_path):
     m = metrics["eval"][str(contradictory)]
     # A criteria-blind model scores exactly 0.5 here: every pair twice, opposite criteria and labels.
     assert m["n"] == 200 and m["accuracy_mean"] >= 0.7, m
+
+    export = tmp_path / "outputs" / "arena" / "export"
+    monkeypatch.setenv("CRM_ROOT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["crm-eval", f"checkpoint={export}", f"data.test=[{contradictory}]",
+                                      "name=arena", "progress=false"])
+    crm.cli.eval.main()
+    evaluated = json.loads((tmp_path / "outputs" / "eval" / "arena" / "metrics.json").read_text())
+    assert evaluated["files"][str(contradictory)]["accuracy_mean"] == m["accuracy_mean"]
+    monkeypatch.setattr(sys, "argv", ["crm-leaderboard", f"checkpoint={export}",
+                                      f"bench={raw / 'bench.jsonl'}", "baseline=baseline",
+                                      "criteria=[I prefer short answers.]", "name=arena",
+                                      "progress=false", "interval.resamples=100"])
+    crm.cli.leaderboard.main()
+    board = json.loads((tmp_path / "outputs" / "leaderboard" / "arena" / "leaderboard.json").read_text())
+    assert len(board["boards"][0]["rows"]) == len(board["models"]) > 1
+    assert "leaderboard: " in capsys.readouterr().out

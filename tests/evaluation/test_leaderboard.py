@@ -223,6 +223,26 @@ def test_markdown_and_png_with_a_contrast_set(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_a_long_criteria_title_stays_clear_of_the_heatmaps_label(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    lines = [bench_line(i, ("t1", "t2")[i % 2], {"base": "x", "m1": "win", "m2": "lose"})
+             for i in range(4)]
+    selection = select(write_bench(tmp_path / "bench.jsonl", lines), "base")
+    result = leaderboard(StubScorer(), selection, ["short"], contrast=["long " * 40])
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to measure its texts
+    plot(result, tmp_path / "leaderboard.png")
+    (fig,) = figures
+    renderer = fig.canvas.get_renderer()
+    bars, heats = fig.axes[0:4:2], fig.axes[1:4:2]
+    for bar, heat in zip(bars, heats):
+        title = bar._left_title.get_window_extent(renderer)  # matplotlib keeps loc="left" titles here
+        label = heat._right_title.get_window_extent(renderer)
+        assert not title.overlaps(label) and title.y0 > label.y0
+        assert title.x1 <= heat.get_window_extent(renderer).x1  # wrapped within bars + heatmap
+
+
 def test_prefix_reuse_gives_the_same_leaderboard(tmp_path):
     lines = [bench_line(i, "t", {"base": "alpha reply " * (2 + i), "m1": "beta reply",
                                  "m2": "beta reply answer " * 3, "m3": "the answer"})
@@ -362,4 +382,4 @@ def test_a_failing_run_exits_non_zero(tmp_path, monkeypatch, capsys):
                                      "criteria=[x]", f"hydra.run.dir={tmp_path}/run"])
     with pytest.raises(SystemExit) as exit_info:
         main()
-    assert exit_info.value.code == 1 and "none.jsonl" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "none.jsonl: no such file" in capsys.readouterr().err

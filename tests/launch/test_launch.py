@@ -682,7 +682,7 @@ def test_train_sbatch_end_to_end_preempted_requeued_and_resumed(tmp_path):
     demo = ["data.demo.n_train=386", "data.demo.n_test=20", "data.demo.n_bench=4"]
     fake = FakeSlurm(tmp_path, job_id=free_job_id(), nodes=1, tasks_per_node=2)
     cfg = compose_cfg("train", [*demo, f"paths.root_dir={fake.root}"])
-    shards = prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))  # once, before the ranks start
+    shards = prepare_demo(DemoConfig(**cfg.data.demo))  # once, before the ranks start
     overrides = [
         "model=tiny", "model.path=null", "data=demo", f"data.path={shards}", *demo,
         "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=64",

@@ -84,7 +84,8 @@ def test_a_model_that_is_not_a_crm_is_a_config_error(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"idx": 0, "topic": "t", "prompt": "q", "responses": {"m": "a"}}) + "\n")
     with pytest.raises(ConfigError, match="not a CRM checkpoint"):
-        run_cli("rl", run, [f"checkpoint={tmp_path / 'model'}", f"prompts={data}"], tmp_path / "run")
+        run_cli("rl", run, [f"checkpoint={tmp_path / 'model'}", f"prompts={data}",
+                            "measure.prompts=0"], tmp_path / "run")  # the prompts pass: the CRM is read
 
 
 def test_a_prompt_file_with_every_prompt_held_out_is_a_config_error(tmp_path):

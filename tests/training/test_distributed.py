@@ -249,7 +249,7 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("crm_dist")
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=[*DEMO, f"paths.root_dir={root}"])
-    prepare_demo(cfg.data.path, DemoConfig(**cfg.data.demo))
+    prepare_demo(DemoConfig(**cfg.data.demo))
     raw = Path(cfg.data.demo.out_dir) / "raw" / "train.jsonl"
     shard([str(with_long_queries(raw, root / "long" / "train.jsonl"))], root / LONG_SHARDS,
           shard_size=1000)

@@ -119,3 +119,46 @@ def test_every_experiment_composes_sweeps_its_axis_and_runs_one_step(experiment,
                       "stream.num_workers=0", "global_batch_size=4", "stream.max_tokens=256"]
     metrics = run_train(demo_root, tmp_path / "run", *overrides, "trainer.max_steps=1")
     assert metrics["train"]["global_step"] == 1
+
+
+def test_a_cpu_sweep_reports_the_benchmarks_its_runs_scored(demo_root, tmp_path):
+    """crm-train's `benchmarks` scores the export at the end (metrics.json, the logger's
+    benchmark/<name>/<figure>, scores.jsonl), and crm-report shows each figure as a column: a real
+    2-step run of a CPU loss ablation beside a hand-made run of the other loss."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "pairs.jsonl").write_text("".join(json.dumps(
+        {"id": f"p{i}", "prompt": f"question {i}", "chosen": "alpha reply", "rejected": "beta reply",
+         "subset": subset}) + "\n" for i, subset in enumerate(["x", "y", "y"])))
+    (data / "rm.json").write_text(json.dumps([
+        {"id": i, "prompt": f"question {i}", "chosen": ["a", "a reply", "## a reply"],
+         "rejected": ["b", "b reply", "## b reply"], "domain": domain}
+        for i, domain in enumerate(["chat", "code", "math", "safety-refuse"])]))
+    sweep = tmp_path / "multirun" / "ablation-loss"
+    metrics = run_train(demo_root, sweep / "0", "loss=cls", "export=true", "evaluate=true",
+                        "logger=csv", f"+benchmarks.pairs={data}/pairs.jsonl",
+                        f"+benchmarks.rmbench={data}/rm.json")
+    (sweep / "0" / ".hydra").mkdir()
+    (sweep / "0" / ".hydra" / "overrides.yaml").write_text(
+        yaml.safe_dump(["experiment=cpu_loss", "loss=cls"]))
+    pairs, rmbench = metrics["benchmarks"]["pairs"], metrics["benchmarks"]["rmbench"]
+    assert (pairs["prompts"], pairs["forwards"], pairs["strategy"]) == (3, 3 * 2, "round_robin")
+    assert sorted(pairs["summary"]) == ["accuracy", "x", "y"]
+    assert rmbench["forwards"] == 4 * 6 * 5 and set(rmbench["domains"]) == {"chat", "math", "code",
+                                                                            "safety"}
+    assert len((sweep / "0" / "benchmarks" / "rmbench" / "scores.jsonl").read_text().splitlines()) == 24
+    logged = (sweep / "0" / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"benchmark/pairs/accuracy", "benchmark/rmbench/hard_acc"} <= set(logged)
+
+    fake_run(sweep, 1, ["experiment=cpu_loss", "loss=ranking"], {}, 2, 1.0)
+    other = json.loads((sweep / "1" / "metrics.json").read_text())
+    other["benchmarks"] = {"pairs": {"summary": {"accuracy": 0.25, "x": 0.0, "y": None}}}
+    (sweep / "1" / "metrics.json").write_text(json.dumps(other))
+    header, rows = table(read_runs(sweep)[0])
+    start = header.index("pairs/accuracy")  # after the axis and the demo's test sets
+    assert header[0] == "loss" and header[start - 1].startswith("acc/")
+    assert header[start:start + 7] == ["pairs/accuracy", "pairs/x", "pairs/y",
+                                       "rmbench/total_avg_acc", "rmbench/hard_acc",
+                                       "rmbench/normal_acc", "rmbench/easy_acc"]
+    assert rows[0][start] == round(pairs["accuracy"], 4)
+    assert rows[1][0] == "ranking" and rows[1][start:start + 4] == [0.25, 0.0, "", ""]

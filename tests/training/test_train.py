@@ -56,10 +56,11 @@ def config_options(group: str) -> list[str]:
 def config_groups() -> list[tuple[str, str]]:
     """(group, option) for every YAML file in a subdirectory of configs/ (nested groups too).
 
-    `common/` dirs hold what a group's options include, not options: they compose through them."""
+    `common/` dirs hold what a group's options include, not options: they compose through them.
+    `benchmark/` is crm-eval's group (tests/cli/test_schemas.py composes it)."""
     return sorted((str(p.parent.relative_to(CONFIG_DIR)), p.stem)
                   for p in CONFIG_DIR.rglob("*.yaml")
-                  if p.parent != CONFIG_DIR and p.parent.name != "common")
+                  if p.parent != CONFIG_DIR and p.parent.name not in ("common", "benchmark"))
 
 
 def compose_train(overrides: list[str], hydra_node: bool = False):

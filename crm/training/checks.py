@@ -1,0 +1,132 @@
+"""crm-train's checks at start: what Lightning, the model or the data would refuse only later (after
+the tokenizer is trained, inside a traceback) is a ConfigError before anything runs, and settings
+that run but do not fit the data or the run are one warning line each (docs/DESIGN.md section 6)."""
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import typing
+from pathlib import Path
+
+from crm.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Trainer arguments crm-train sets itself, and the key that sets each.
+SET_BY_CRM = {"accumulate_grad_batches": "global_batch_size", "callbacks": "callbacks",
+              "logger": "logger", "val_check_interval": "val_every_n_steps",
+              "check_val_every_n_epoch": "val_every_n_steps", "default_root_dir": "paths.output_dir"}
+
+
+def check_trainer(trainer: dict) -> None:
+    """The trainer group against Lightning's Trainer: a name it does not take, one crm-train sets
+    itself, a value of the wrong type (`trainer.max_steps=ten`), a GPU accelerator where there is
+    none."""
+    import lightning as L
+    import torch
+
+    hints = typing.get_type_hints(L.Trainer.__init__)
+    for key, value in trainer.items():
+        if key in SET_BY_CRM:
+            raise ConfigError(f"trainer.{key}: crm-train sets it from {SET_BY_CRM[key]}; set that")
+        if key not in hints:
+            near = difflib.get_close_matches(key, [k for k in hints if k != "return"], n=1)
+            hint = f" (did you mean trainer.{near[0]}?)" if near else ""
+            raise ConfigError(f"trainer.{key}: not an argument of Lightning's Trainer{hint}")
+        if not fits(value, hints[key]):
+            raise ConfigError(f"trainer.{key}={value!r}: expected {type_name(hints[key])}")
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA device on this machine "
+                          "(torch.cuda.is_available() is False); use trainer=cpu")
+
+
+def fits(value, annotation) -> bool:
+    """Whether a YAML value can be `annotation` (int, float, bool, str, Optional, Union, Literal,
+    list); a type a YAML value cannot hold (a Logger, a timedelta) accepts anything, Lightning
+    checks those."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if origin is typing.Union:
+        return any(fits(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if inspect.isclass(annotation):  # a Logger, a timedelta: no YAML value is one
+        return isinstance(value, annotation)
+    return True  # an abstract collection (Iterable[Logger]) and such: Lightning checks those
+
+
+def type_name(annotation) -> str:
+    names = []
+    for arg in typing.get_args(annotation) if typing.get_origin(annotation) is typing.Union else [annotation]:
+        if typing.get_origin(arg) is typing.Literal:
+            names += [repr(a) for a in typing.get_args(arg)]
+        elif arg is type(None):
+            names.append("null")
+        else:
+            names.append(getattr(arg, "__name__", str(arg)))
+    return " or ".join(names)
+
+
+def check_attention(attention: str, compiled: bool) -> None:
+    """An attention implementation this machine cannot run (flash_attention_2 without flash-attn),
+    refused before the model is built."""
+    from crm.models.backbone import choose_attention
+
+    if attention == "auto":
+        return
+    try:
+        choose_attention(attention, compiled)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from None
+
+
+def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
+    """Before the tokenizer is trained on them: shards with no training record are refused; a
+    global batch larger than the data, a validation split too small to mean anything, a curriculum
+    warm-up as long as the run and a run dir that will be resumed are one warning line each."""
+    from crm.data.manifest import load_manifest
+
+    manifest = load_manifest(shard_dir)
+    keep_ties = run.transform.ties == "keep"
+    train, val = ({} if split not in manifest.splits else manifest.splits[split]
+                  for split in ("train", "val"))
+    n_train = sum(s.eligible(keep_ties) for s in train)
+    n_val = sum(s.eligible(keep_ties) for s in val)
+    where = f"data.path={run.data.path}" if not run.data.demo else f"the demo data ({shard_dir})"
+    if n_train < world:
+        raise ConfigError(f"{where}: {n_train} training records (manifest.json), fewer than the "
+                          f"{world} rank(s); did every line go to {shard_dir}/rejects.jsonl?")
+    if run.global_batch_size > n_train:
+        log.warning("global_batch_size=%d is larger than the %d training records: each optimizer "
+                    "step repeats records; for a small set use a global batch of about a tenth of "
+                    "it", run.global_batch_size, n_train)
+    if n_val < min(4, n_train):  # 5% of a few dozen records: one or two
+        log.warning("the validation split holds %d record(s): val/loss, the best checkpoint and "
+                    "early stopping rest on them; re-shard with a larger --val-fraction "
+                    "(e.g. 0.2) for a small set", n_val)
+    steps = run.trainer.get("max_steps", -1)
+    direction = run.direction
+    if direction.then and steps and 0 < steps <= direction.warmup_steps:
+        log.warning("direction=%s: warmup_steps=%d is not shorter than trainer.max_steps=%d: the "
+                    "whole run trains on direction %s, never %s; set direction.warmup_steps to a "
+                    "fraction of the run", direction.name, direction.warmup_steps, steps,
+                    direction.warmup, direction.then)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if run.resume == "auto" and last.exists():
+        log.warning("name=%s: %s holds a checkpoint of an earlier run: this run resumes it "
+                    "(another name=, or resume=false, starts over)", run.name, last)
