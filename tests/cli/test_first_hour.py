@@ -297,8 +297,8 @@ def test_crm_eval_keeps_another_runs_results_and_its_bars_off_a_log(root, capsys
     line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval", f"checkpoint={root}",
                    f"data.test=[{test}]")
     assert line == (f"crm-eval: {taken} holds the results of checkpoint=outputs/a/export on other "
-                    "files, another benchmark or another checkpoint: give this evaluation its own name= (name=default "
-                    "is taken)")
+                    "files, another benchmark or another checkpoint: give this evaluation its own "
+                    "name= (name=default is taken)")
     asked = {}
     monkeypatch.setattr(CRMScorer, "load", lambda path, **kwargs: asked.update(kwargs))
     load_scorer(ScorerSettings(checkpoint=str(root), batch_size=1, device="cpu", dtype="auto",
