@@ -41,6 +41,11 @@ class ServeConfig:
     max_upload: int = MISSING
     file_age: int = MISSING
 
+    def __post_init__(self):
+        for key in ("read_timeout", "keep_alive", "connections", "max_body", "max_upload", "file_age"):
+            if getattr(self, key) <= 0:  # a zero limit or timeout would refuse or drop every request
+                raise ValueError(f"serve.{key}={getattr(self, key)}: expected a number > 0")
+
 
 @dataclass
 class CacheConfig:

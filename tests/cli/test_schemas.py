@@ -101,6 +101,8 @@ def test_a_wrong_type_or_an_unknown_key_stops_the_composition(command, override)
     (("eval", ["benchmark=pairs", "benchmark.name=arena"]), "benchmark=arena: expected one of"),
     (("eval", ["benchmark=rmbench", "benchmark.criteria.chat=[]"]),
      "benchmark.criteria.chat: a non-empty list"),
+    (("usl", ["serve.max_body=0"]), "serve.max_body=0: expected a number > 0"),
+    (("usl", ["serve.read_timeout=-1"]), "serve.read_timeout=-1.0: expected a number > 0"),
 ])
 def test_a_value_outside_a_keys_choices_is_a_config_error(overrides, message):
     command, overrides = overrides if isinstance(overrides, tuple) else ("train", overrides)
