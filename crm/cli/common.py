@@ -31,7 +31,6 @@ from crm.core.errors import ConfigError
 from crm.core.records import RecordError
 
 
-
 def register_schema(command: str, schema: type) -> None:
     """`schema` as the config `<command>_schema`, named first in configs/<command>.yaml's defaults.
 
@@ -243,11 +242,9 @@ def _nearest(full_key: str, parent) -> str:
     prefix, _, name = full_key.rpartition(".")
     keys = [str(k) for k in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
     if prefix == "trainer":
-        import inspect
+        from crm.training.checks import trainer_arguments
 
-        import lightning
-
-        keys += list(inspect.signature(lightning.Trainer).parameters)
+        keys += list(trainer_arguments())
     match = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     dotted = f"{prefix}." if prefix else ""
     if match and prefix == "trainer" and match[0] not in parent:

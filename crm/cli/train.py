@@ -223,14 +223,13 @@ def train(cfg: DictConfig) -> dict | None:
         return None
     if "export" in callbacks:
         callbacks["export"].export(trainer, module)
-    if "export" in callbacks and not metrics["preempted"] and run.evaluate and (
-            run.data.test_files or benchmarks):
-        scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-        if run.data.test_files:
-            metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
-        if benchmarks:
-            metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
-                                                     trainer.global_step)
+        if not metrics["preempted"] and run.evaluate and (run.data.test_files or benchmarks):
+            scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
+            if run.data.test_files:
+                metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
+            if benchmarks:
+                metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
+                                                         trainer.global_step)
     metrics["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", metrics)
     return metrics

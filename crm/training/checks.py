@@ -23,15 +23,14 @@ def check_trainer(trainer: dict) -> None:
     """The trainer group against Lightning's Trainer: a name it does not take, one crm-train sets
     itself, a value of the wrong type (`trainer.max_steps=ten`), a GPU accelerator where there is
     none."""
-    import lightning as L
     import torch
 
-    hints = typing.get_type_hints(L.Trainer.__init__)
+    hints = trainer_arguments()
     for key, value in trainer.items():
         if key in SET_BY_CRM:
             raise ConfigError(f"trainer.{key}: crm-train sets it from {SET_BY_CRM[key]}; set that")
         if key not in hints:
-            near = difflib.get_close_matches(key, [k for k in hints if k != "return"], n=1)
+            near = difflib.get_close_matches(key, list(hints), n=1)
             hint = f" (did you mean trainer.{near[0]}?)" if near else ""
             raise ConfigError(f"trainer.{key}: not an argument of Lightning's Trainer{hint}")
         if not fits(value, hints[key]):
@@ -40,6 +39,15 @@ def check_trainer(trainer: dict) -> None:
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA device on this machine "
                           "(torch.cuda.is_available() is False); use trainer=cpu")
+
+
+def trainer_arguments() -> dict:
+    """Lightning Trainer's arguments and their annotations: the names a `trainer.` key may take."""
+    import lightning as L
+
+    hints = typing.get_type_hints(L.Trainer.__init__)
+    hints.pop("return", None)
+    return hints
 
 
 def fits(value, annotation) -> bool:
