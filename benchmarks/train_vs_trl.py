@@ -59,6 +59,7 @@ from crm.training.module import CRMModule, OptimConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WARMUP_STEPS = 5
+RUNS = ("crm_pointwise", "crm_pointwise_packed", "crm_pairwise", "crm_pairwise_packed", "trl")
 LR = 1e-3
 
 
@@ -74,30 +75,39 @@ def peak_gib() -> float | None:
 
 
 class StepTimer(L.Callback):
-    """Seconds and samples from the end of warm-up to the last step."""
+    """Seconds (wall and this process's CPU), samples and tokens from the end of warm-up to the
+    last step. A padded batch's real tokens are its mask's; a packed row's are all real, and
+    `padded` counts what the padded path computes for the same records."""
 
     def __init__(self):
-        self.start, self.samples, self.real, self.computed = None, 0, 0, 0
+        self.start, self.samples, self.real, self.computed, self.padded = None, 0, 0, 0, 0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == WARMUP_STEPS and self.start is None:
-            self.start = now()
+            self.start, self.cpu_start = now(), time.process_time()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if self.start is not None:
             self.samples += len(batch["keys"])
-            self.real += int(batch["attention_mask"].sum())
-            self.computed += batch["input_ids"].numel()
+            if "read" in batch:
+                self.real += batch["real_tokens"]
+                self.computed += batch["real_tokens"]
+                self.padded += batch["padded_tokens"]
+            else:
+                real = int(batch["attention_mask"].sum())
+                self.real += real
+                self.computed += batch["input_ids"].numel()
+                self.padded += batch["input_ids"].numel()
 
     def on_train_end(self, trainer, module):
-        self.end = now()
+        self.end, self.cpu_end = now(), time.process_time()
 
 
-def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args) -> dict:
+def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args, packing: bool = False) -> dict:
     torch.manual_seed(0)
     transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
     stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens,
-                          num_workers=args.num_workers)
+                          num_workers=args.num_workers, packing=packing)
     data = CRMDataModule(manifest_dir, tokenizer, stream, transform)
     make = lambda: build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig(kind),  # noqa: E731
                              num_labels=2, pad_token_id=tokenizer.pad_token_id)
@@ -112,7 +122,13 @@ def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args) -> dict:
     trainer.fit(module, datamodule=data)
     seconds = timer.end - timer.start
     return {"samples_per_s": timer.samples / seconds, "real_token_fraction": timer.real / timer.computed,
-            "peak_allocated_gib": peak_gib()}
+            "cpu_s_per_1000": 1000 * (timer.cpu_end - timer.cpu_start) / timer.samples,
+            "wall_s_per_1000": 1000 * seconds / timer.samples,
+            "tokens_per_sample": timer.computed / timer.samples,
+            "padded_path_tokens_per_sample": timer.padded / timer.samples,
+            "peak_allocated_gib": peak_gib(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "vocab_size": arch["vocab_size"]}
 
 
 def trl_pairs(manifest, tokenizer, args) -> list[dict]:
@@ -144,11 +160,11 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
 
         def on_step_begin(self, targs, state, control, **kw):
             if state.global_step == WARMUP_STEPS and self.start is None:
-                self.start = now()
+                self.start, self.cpu_start = now(), time.process_time()
 
         def on_step_end(self, targs, state, control, **kw):
             if self.start is not None:
-                self.end = now()
+                self.end, self.cpu_end = now(), time.process_time()
 
     torch.manual_seed(0)
     model = build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig("pointwise"), num_labels=1,
@@ -165,16 +181,20 @@ def trl_run(rows: list[dict], tokenizer, arch: dict, out_dir: str, args) -> dict
     trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                             processing_class=tokenizer, callbacks=[timer])
     # Real tokens of the batches TRL forms (the same sampler, replayed): padded to the longest.
-    real = computed = 0
+    real = computed = pairs = 0
     for i, batch in enumerate(trainer.get_train_dataloader()):
         if i >= args.steps:
             break
         real += int(batch["attention_mask"].sum())
         computed += batch["input_ids"].numel()
+        pairs += batch["input_ids"].shape[0] // 2  # chosen rows, then rejected rows
     trainer.train()
-    timed_steps = args.steps - WARMUP_STEPS
-    return {"samples_per_s": timed_steps * args.batch_size / (timer.end - timer.start),
-            "real_token_fraction": real / computed, "peak_allocated_gib": peak_gib()}
+    samples = (args.steps - WARMUP_STEPS) * args.batch_size
+    return {"samples_per_s": samples / (timer.end - timer.start),
+            "real_token_fraction": real / computed,
+            "cpu_s_per_1000": 1000 * (timer.cpu_end - timer.cpu_start) / samples,
+            "wall_s_per_1000": 1000 * (timer.end - timer.start) / samples,
+            "tokens_per_sample": computed / pairs, "peak_allocated_gib": peak_gib()}
 
 
 def tiny_config() -> dict:
@@ -206,7 +226,7 @@ def architecture(args, vocab_size: int) -> dict:
 
 
 def run_one(trainer: str, data_dir: str, args) -> dict:
-    """One timed run in this process: crm_pointwise, crm_pairwise or trl."""
+    """One timed run in this process: one of RUNS."""
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     tokenizer = AutoTokenizer.from_pretrained(f"{data_dir}/tokenizer", local_files_only=True)
@@ -216,7 +236,8 @@ def run_one(trainer: str, data_dir: str, args) -> dict:
         with tempfile.TemporaryDirectory() as out_dir:
             result = trl_run(rows, tokenizer, arch, out_dir, args)
         return {**result, "pairs_available": len(rows), "arch": arch}
-    return crm_run(trainer.removeprefix("crm_"), f"{data_dir}/shards", tokenizer, arch, args)
+    kind = trainer.removeprefix("crm_").removesuffix("_packed")
+    return crm_run(kind, f"{data_dir}/shards", tokenizer, arch, args, packing=trainer.endswith("_packed"))
 
 
 def in_subprocess(trainer: str, data_dir: str, args) -> dict:
@@ -245,46 +266,71 @@ def main() -> None:
     p.add_argument("--long", action="store_true", help="long rows (benchmarks/long_pairs.py), not the demo's")
     p.add_argument("--vocab-size", type=int, help="the BPE trained on the pairs (default: the tiny model's)")
     p.add_argument("--compile", action="store_true", help="crm's compiled decoder layers (CUDA)")
-    p.add_argument("--skip-pairwise", action="store_true", help="no crm_pairwise run (the CPU smoke test)")
-    p.add_argument("--run", choices=["crm_pointwise", "crm_pairwise", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--skip-pairwise", action="store_true", help="no crm_pairwise runs (the CPU smoke test)")
+    p.add_argument("--skip-trl", action="store_true", help="no TRL run (a machine without trl)")
+    p.add_argument("--out", help="also write the JSON here (benchmarks/results/)")
+    p.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.run:  # one run, in a process of its own (see the module docstring)
         print(json.dumps(run_one(args.run, args.data, args)))
         return
 
+    runs = ["crm_pointwise", "crm_pointwise_packed", *([] if args.skip_trl else ["trl"]),
+            *([] if args.skip_pairwise else ["crm_pairwise", "crm_pairwise_packed"])]
     with tempfile.TemporaryDirectory() as tmp:
         prepare(tmp, args)
-        ours, theirs = [], []
-        for _ in range(args.rounds):
-            ours.append(in_subprocess("crm_pointwise", tmp, args))
-            theirs.append(in_subprocess("trl", tmp, args))
-        pairwise = None if args.skip_pairwise else in_subprocess("crm_pairwise", tmp, args)
+        results = {name: [] for name in runs}
+        for _ in range(args.rounds):  # alternating, so that machine noise hits every run alike
+            for name in runs:
+                try:
+                    results[name].append(in_subprocess(name, tmp, args))
+                except RuntimeError as err:  # the others' figures still count; this one says why
+                    results[name].append({"error": str(err)[-1500:]})
+                if args.out:  # what is done so far survives a run cut short
+                    Path(args.out).write_text(json.dumps({"partial": results}, indent=1) + "\n")
 
-    median = lambda runs, k: round(statistics.median(r[k] for r in runs), 2)  # noqa: E731
-    max_of = lambda runs, k: None if runs[0][k] is None else round(max(r[k] for r in runs), 2)  # noqa: E731
+    def summary(runs: list[dict]) -> dict:
+        done = [r for r in runs if "error" not in r]
+        if not done:
+            return {"errors": [r["error"] for r in runs]}
+        out = {key: round(statistics.median(r[key] for r in done), 4)
+               for key in ("samples_per_s", "cpu_s_per_1000", "wall_s_per_1000", "real_token_fraction",
+                           "tokens_per_sample", "padded_path_tokens_per_sample") if key in done[0]}
+        peaks = [r["peak_allocated_gib"] for r in done if r["peak_allocated_gib"] is not None]
+        peak = round(max(peaks), 2) if peaks else None
+        return {**out, "runs_samples_per_s": [round(r["samples_per_s"], 2) for r in done],
+                "peak_allocated_gib": peak}
+
+    first = next((r for done in results.values() for r in done if "error" not in r), {})
     result = {
-        "setup": {"arch": theirs[0]["arch"], "batch_size": args.batch_size,
-                  "steps_per_run": args.steps, "timed_steps": args.steps - WARMUP_STEPS,
-                  "rounds": args.rounds, "pairs_available": theirs[0]["pairs_available"],
+        "setup": {"arch": args.arch, "vocab_size": first.get("vocab_size"),
+                  "batch_size": args.batch_size, "steps_per_run": args.steps,
+                  "timed_steps": args.steps - WARMUP_STEPS, "rounds": args.rounds,
                   "torch_threads": torch.get_num_threads(), "crm_num_workers": args.num_workers,
                   "process_per_run": True, "device": args.device, "long_rows": args.long,
                   "crm_compiled": args.device == "cuda" and args.compile,
-                  "gradient_checkpointing": False},
-        "crm_pointwise": {"samples_per_s": median(ours, "samples_per_s"),
-                          "real_token_fraction": median(ours, "real_token_fraction"),
-                          "runs": [round(r["samples_per_s"], 2) for r in ours],
-                          "peak_allocated_gib": max_of(ours, "peak_allocated_gib")},
-        "trl_reward_trainer": {"samples_per_s": median(theirs, "samples_per_s"),
-                               "real_token_fraction": median(theirs, "real_token_fraction"),
-                               "runs": [round(r["samples_per_s"], 2) for r in theirs],
-                               "peak_allocated_gib": max_of(theirs, "peak_allocated_gib")},
-        "crm_pairwise": pairwise and {"samples_per_s": round(pairwise["samples_per_s"], 2),
-                                      "real_token_fraction": round(pairwise["real_token_fraction"], 4)},
+                  "gradient_checkpointing": False, "gpu": first.get("gpu")},
+        **{name: summary(done) for name, done in results.items()},
     }
-    result["ratio_crm_over_trl"] = round(result["crm_pointwise"]["samples_per_s"]
-                                         / result["trl_reward_trainer"]["samples_per_s"], 2)
-    print(json.dumps(result, indent=1))
+    for kind in ("pointwise", "pairwise"):
+        padded, packed = result.get(f"crm_{kind}"), result.get(f"crm_{kind}_packed")
+        if padded and packed and "errors" not in padded and "errors" not in packed:
+            for clock in ("cpu", "wall"):
+                result[f"{kind}_packed_speedup_{clock}_s"] = round(
+                    padded[f"{clock}_s_per_1000"] / packed[f"{clock}_s_per_1000"], 3)
+            result[f"{kind}_tokens_computed_packed_over_padded"] = round(
+                packed["tokens_per_sample"] / padded["tokens_per_sample"], 4)
+    if "trl" in result and "errors" not in result["trl"]:
+        for name in ("crm_pointwise", "crm_pointwise_packed"):
+            if "errors" in result[name]:
+                continue
+            result[f"ratio_{name}_over_trl"] = round(result[name]["samples_per_s"]
+                                                     / result["trl"]["samples_per_s"], 2)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

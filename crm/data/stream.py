@@ -31,6 +31,7 @@ from crm.core.prompts import PromptEncoder, PromptTemplate
 from crm.core.records import RecordError, TrainRecord, parse_train
 from crm.data.epoch_plan import RankPlan, plan_rank
 from crm.data.manifest import ShardInfo
+from crm.data.packing import pack, split_shared
 from crm.data.padding import pad_rows
 from crm.data.reader import ShardError, iter_shard_raw, load_member
 from crm.data.transforms import CriteriaPool, TransformConfig, check_one_sided, record_rng, train_example
@@ -60,6 +61,7 @@ class StreamSettings:
     shuffle_buffer: int = 2048  # records mixed across shard boundaries
     window_batches: int = 32  # length grouping: sort this many batches' worth of records by length
     num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
+    packing: bool = False  # a batch is one row of its records' real tokens (crm.data.packing)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,11 +241,14 @@ class PairStream(IterableDataset):
 
     def collate(self, examples: list[Encoded], position) -> dict:
         kept = [ex for ex in examples if ex.rows is not None]
-        if self.cfg.mode == "pairwise":
-            rows = [ex.rows[0] for ex in kept]
+        if self.cfg.packing:  # pointwise: criteria + query once, the two responses as branches
+            batch = pack([ex.rows if len(ex.rows) == 1 else split_shared(*ex.rows) for ex in kept])
+            batch["branched"] = self.cfg.mode == "pointwise"
+        elif self.cfg.mode == "pairwise":
+            batch = pad_rows([ex.rows[0] for ex in kept], self.tokenizer.pad_token_id)
         else:  # one forward: chosen rows first, then their rejected rows in the same order
-            rows = [ex.rows[0] for ex in kept] + [ex.rows[1] for ex in kept]
-        batch = pad_rows(rows, self.tokenizer.pad_token_id)
+            batch = pad_rows([ex.rows[0] for ex in kept] + [ex.rows[1] for ex in kept],
+                             self.tokenizer.pad_token_id)
         batch.update(
             keys=[ex.key for ex in kept],
             position=torch.tensor(position),

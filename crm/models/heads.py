@@ -1,8 +1,9 @@
 """The two CRM heads over a Qwen3 sequence classifier, and their losses.
 
 Both read the head at each row's last attended token, found from the attention mask (not from the
-pad id, which breaks when pad == eos). Rows must be right padded. The wrapped model is a plain
-`Qwen3ForSequenceClassification`, so an export loads with `AutoModelForSequenceClassification`.
+pad id, which breaks when pad == eos), rows right padded; or, for a packed batch
+(crm.data.packing: a batch with `read`), at the tokens it names (crm.models.packing). The wrapped
+model is a plain `Qwen3ForSequenceClassification`, so an export loads with `AutoModelForSequenceClassification`.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crm.models.compile import eager
+from crm.models.packing import packed_hidden
 
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:
@@ -33,9 +35,30 @@ def last_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     return head_at(model, hidden, lengths - 1)
 
 
+def crm_logits(model: nn.Module, input_ids, attention_mask=None, packed: dict | None = None):
+    """The head's output for each row of a right-padded batch, or for each read of `packed` (a
+    batch of crm.data.packing.pack, whose row `input_ids` is)."""
+    if packed is not None:
+        return head(model, packed_hidden(model, packed))
+    return last_token_logits(model, input_ids, attention_mask)
+
+
+def model_inputs(batch: dict) -> dict:
+    """A training batch as a CRM's forward takes it. The CRM's own forward must run, not its
+    backbone's: under FSDP2 its hooks gather the root's parameters (embeddings, head)."""
+    if "read" in batch:
+        return {"input_ids": batch["input_ids"], "packed": batch}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
 def head_at(model: nn.Module, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """The classification head on each row's hidden state at position `last` (its last real token),
-    in float32 whatever the backbone's dtype.
+    """The head on each row's hidden state at position `last` (its last real token)."""
+    return head(model, hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+
+
+def head(model: nn.Module, picked: torch.Tensor) -> torch.Tensor:
+    """The classification head on the hidden states it reads (rows x hidden), in float32 whatever
+    the backbone's dtype.
 
     A reward rounded to bfloat16 moves in steps of 0.0625 for |r| in [8, 16): P(A) = sigmoid(rA - rB)
     would move in ~1.5% steps, a leaderboard would see ties that are not there, and the loss the
@@ -45,11 +68,10 @@ def head_at(model: nn.Module, hidden: torch.Tensor, last: torch.Tensor) -> torch
     function, the same for every answer, where rounding the output made answers equal. One
     (rows x hidden) x (hidden x labels) product: free next to the backbone.
     """
-    picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    head = model.score
-    bias = None if head.bias is None else head.bias.float()
+    score = model.score
+    bias = None if score.bias is None else score.bias.float()
     with torch.autocast(picked.device.type, enabled=False):
-        return F.linear(picked.float(), head.weight.float(), bias)
+        return F.linear(picked.float(), score.weight.float(), bias)
 
 
 class PairwiseCRM(nn.Module):
@@ -65,8 +87,8 @@ class PairwiseCRM(nn.Module):
     def num_labels(self) -> int:
         return self.model.config.num_labels
 
-    def forward(self, input_ids, attention_mask):
-        return last_token_logits(self.model, input_ids, attention_mask)
+    def forward(self, input_ids, attention_mask=None, packed: dict | None = None):
+        return crm_logits(self.model, input_ids, attention_mask, packed)
 
     metrics = ("loss", "acc")
 
@@ -77,7 +99,7 @@ class PairwiseCRM(nn.Module):
         labels = batch["labels"]
         if not labels.numel():
             return _empty_batch_sums(self, batch)
-        logits = self(batch["input_ids"], batch["attention_mask"]).float()
+        logits = self(**model_inputs(batch)).float()
         return {"loss": F.cross_entropy(logits, labels, reduction="sum"),
                 "acc": (logits.argmax(-1) == labels).float().sum(), "n": labels.numel()}
 
@@ -100,17 +122,17 @@ class PointwiseCRM(nn.Module):
         super().__init__()
         self.model, self.margin, self.center_coef = model, margin, center_coef
 
-    def forward(self, input_ids, attention_mask):
-        return last_token_logits(self.model, input_ids, attention_mask).squeeze(-1)
+    def forward(self, input_ids, attention_mask=None, packed: dict | None = None):
+        return crm_logits(self.model, input_ids, attention_mask, packed).squeeze(-1)
 
     metrics = ("loss", "acc", "reward_chosen", "reward_rejected", "margin")
 
     def loss_sums(self, batch: dict) -> dict:
         """L_ranking summed over the batch's pairs: -log sigmoid(r_c - r_r - margin)
         (+ center_coef * (r_c + r_r)^2), the metrics summed alongside, and the pair count `n`."""
-        if not batch["input_ids"].shape[0]:
+        if not batch["input_ids"].numel():
             return _empty_batch_sums(self, batch)
-        rewards = self(batch["input_ids"], batch["attention_mask"]).float()
+        rewards = self(**model_inputs(batch)).float()
         n = rewards.shape[0] // 2
         chosen, rejected = rewards[:n], rewards[n:]
         diff = chosen - rejected

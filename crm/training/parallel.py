@@ -145,6 +145,8 @@ def apply_fsdp(crm: nn.Module, mesh, cfg: ParallelConfig) -> nn.Module:
         reshard = cfg.reshard_after_forward and i < len(layers) - 1
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(crm, mesh=mesh, mp_policy=policy)
+    # What the packed-row kernels read to choose one (crm.models.packing.compute_dtype).
+    crm.model.crm_compute_dtype = policy.param_dtype
     shape = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
     log.info("FSDP2: %d decoder layers + root sharded over %s (compute %s, reduce %s)",
              len(layers), shape, cfg.param_dtype, cfg.reduce_dtype)

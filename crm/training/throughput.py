@@ -2,7 +2,11 @@
 
     perf/tokens_per_s          real (attention-mask) tokens per second, all ranks
     perf/tokens_per_s_per_gpu  the same over the world size (compare with docs/PERFORMANCE.md)
-    perf/padded_tokens_per_s   tokens including padding (rows x padded width), all ranks
+    perf/padded_tokens_per_s   tokens computed, padding included (rows x padded width; a packed
+                               row has none), all ranks
+    perf/real_token_fraction   real tokens / tokens computed (1 for packed rows)
+    perf/tokens_per_sample     tokens computed per record (a packed pointwise pair computes its
+                               criteria + query once)
     perf/samples_per_s         records per second, all ranks (a pointwise record is two rows)
     perf/mfu                   tokens/s x FLOPs per token / (peak per device x world size);
                                not logged when no peak is known (CPU, an unknown GPU)
@@ -11,7 +15,8 @@
     perf/compile_seconds       any was built, with a warning past crm.models.compile.RECOMPILE_WARNING
 
 FLOPs per token are crm.perf.flops' 6 N + 12 L H d S (4 N + ... with LoRA's frozen base), with S
-the mean real row length of the window (real tokens / rows). A window runs from one logging point
+the mean real length of the sequences attended over in the window (a packed row's per record or
+branch: crm.data.packing's views). A window runs from one logging point
 to the next, timed with time.perf_counter on each rank, less the time spent in validation. Counts
 are summed on the device and reduced once per logging point, so nothing synchronises at other
 steps.
@@ -49,7 +54,9 @@ class Throughput(L.Callback):
         self.frozen_base = False
         self.last: dict = {}  # the latest logged figures (mfu None when no peak)
         self._real: torch.Tensor | None = None  # real tokens of the window, on the device
-        self._host = [0, 0, 0]  # padded tokens, rows, samples of the window
+        # Of the window: tokens computed, sequences, samples, and a packed row's real and attended
+        # tokens (known on the host; a padded batch's real tokens are summed in `_real`)
+        self._host = [0, 0, 0, 0, 0]
         self._window_start = 0.0
         self._paused = 0.0  # validation seconds inside the window
         self._val_start: float | None = None
@@ -72,7 +79,7 @@ class Throughput(L.Callback):
         self._start_window()
 
     def _reset_counts(self) -> None:
-        self._real, self._host = None, [0, 0, 0]
+        self._real, self._host = None, [0, 0, 0, 0, 0]
 
     def _start_window(self) -> None:
         self._window_start, self._paused = self.clock(), 0.0
@@ -81,13 +88,18 @@ class Throughput(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
-        mask = batch["attention_mask"]
         samples = len(batch["keys"]) if "keys" in batch else (
-            batch["labels"].numel() if "labels" in batch else mask.shape[0])
-        # The real-token sum stays on the device (no sync); the shapes are known on the host.
-        real = mask.sum()
-        self._real = real if self._real is None else self._real + real
-        for i, n in enumerate((mask.numel(), mask.shape[0], samples)):
+            batch["labels"].numel() if "labels" in batch else batch["input_ids"].shape[0])
+        if "read" in batch:  # packed: the counts came with the batch
+            counts = (batch["real_tokens"], batch["read"].numel(), samples, batch["real_tokens"],
+                      batch["attended_tokens"])
+        else:
+            mask = batch["attention_mask"]
+            # The real-token sum stays on the device (no sync); the shapes are known on the host.
+            real = mask.sum()
+            self._real = real if self._real is None else self._real + real
+            counts = (mask.numel(), mask.shape[0], samples, 0, 0)
+        for i, n in enumerate(counts):
             self._host[i] += n
 
         step = trainer.global_step
@@ -105,19 +117,22 @@ class Throughput(L.Callback):
         if self._real is not None:
             local[0] = self._real
         totals = all_ranks_sum(local)
-        real, padded, rows, samples = (float(x) for x in totals.tolist())
+        padded_real, computed, rows, samples, packed_real, attended = (float(x) for x in totals.tolist())
+        real, attended = padded_real + packed_real, padded_real + attended
         self._reset_counts()
         self._start_window()
         if elapsed <= 0 or rows == 0:
             return
         world = trainer.world_size
-        seq_len = real / rows  # mean real row length: the S of the attention term
+        seq_len = attended / rows  # mean real length of an attended sequence: the S of attention
         per_token = flops_per_token(self.shape, seq_len, frozen_base=self.frozen_base)
         tokens_per_s = real / elapsed
         figures = {
             "perf/tokens_per_s": tokens_per_s,
             "perf/tokens_per_s_per_gpu": tokens_per_s / world,
-            "perf/padded_tokens_per_s": padded / elapsed,
+            "perf/padded_tokens_per_s": computed / elapsed,
+            "perf/real_token_fraction": real / computed,
+            "perf/tokens_per_sample": computed / max(samples, 1.0),
             "perf/samples_per_s": samples / elapsed,
             "perf/mfu": mfu(tokens_per_s, per_token, None if self.peak is None else self.peak * world),
         }

@@ -20,6 +20,7 @@ import torch
 
 from crm.data.manifest import ShardInfo, load_manifest
 from crm.data.reader import ShardError, iter_shard
+from crm.data.packing import split_shared, unpack
 from crm.data.stream import PairStream, StreamConfig, StreamLoader
 from crm.core.prompts import PromptEncoder
 from crm.core.records import parse_train
@@ -657,3 +658,34 @@ def test_windows_group_records_by_encoded_length(mixed_lengths, mode):
         record_lengths.append(per_record)
     for shorter, longer in zip(record_lengths, record_lengths[1:]):
         assert max(shorter) <= min(longer)
+
+
+# -- packed rows (stream.packing) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["pairwise", "pointwise"])
+def test_packed_batches_hold_the_padded_batches_records_and_step_counts(shards3, mode):
+    """Packing changes how a batch is laid out, not what it holds: the same records in the same
+    batches and steps, each read's sequence the padded row's real tokens; a pointwise pair computes
+    its criteria + query once."""
+    runs = []
+    for packing in (False, True):
+        loader = make_loader(shards3, mode=mode, batch_size=5, packing=packing)
+        loader.step_batches = 2
+        runs.append(list(loader))
+    for padded, packed in zip(*runs, strict=True):
+        for field in ("keys", "position", "step_examples", "step_index", "step_batches", "shortened"):
+            assert packed[field] == padded[field] if field == "keys" else torch.equal(
+                torch.as_tensor(packed[field]), torch.as_tensor(padded[field])), field
+        rows = [row[:n].tolist() for row, n in zip(padded["input_ids"], padded["attention_mask"].sum(1))]
+        assert unpack(packed) == rows
+        assert packed["input_ids"].shape == (1, packed["real_tokens"])
+        assert packed["padded_tokens"] == padded["input_ids"].numel()
+        assert packed["attended_tokens"] == padded["attention_mask"].sum()
+        if mode == "pairwise":
+            assert torch.equal(packed["labels"], padded["labels"])
+            assert packed["real_tokens"] == padded["attention_mask"].sum()
+        else:  # the two rows' common prefix (the prompt up to the response) is in the row once
+            n = len(rows) // 2
+            shared = sum(len(split_shared(c, r)[0]) for c, r in zip(rows[:n], rows[n:]))
+            assert shared > 0 and packed["real_tokens"] == padded["attention_mask"].sum() - shared

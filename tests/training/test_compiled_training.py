@@ -23,29 +23,38 @@ from crm.models import compile as compiling
 
 SCRIPT = Path(__file__).parents[1] / "dist" / "compiled_fsdp.py"
 RTOL, ATOL = 1e-4, 1e-6  # float32; inductor sums in another order (tests/models/test_compile.py)
+PACKED_RTOL, PACKED_ATOL = 1e-5, 1e-7  # the same layers on the same tokens, laid out in one row
 ARCH_OVERRIDES = [f"model.arch.{k}={v}" for k, v in COMPILE_ARCH.items()]
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")  # tests/conftest.py
 
 
-@pytest.mark.slow  # two processes, each building its model twice: 30-60 s on 2 cores
-@pytest.mark.parametrize("kind", ["pairwise"])
-def test_fsdp2_world_2_compiled_layers_give_eager_losses_and_gradients(kind, tmp_path):
+@pytest.mark.slow  # two processes, each building its model four times: 60-120 s on 2 cores
+def test_fsdp2_world_2_compiled_layers_and_packed_rows_give_eager_padded_losses_and_gradients(tmp_path):
+    """At world 2 under FSDP2 with activation checkpointing: compiled layers give the eager losses
+    and gradients, and packed rows (crm.data.packing) give the padded rows', eager and compiled,
+    pairwise and pointwise (a pointwise pair's shared prefix computed once)."""
     out = tmp_path / "result.safetensors"
     arch = {**COMPILE_ARCH, "vocab_size": 256}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), kind, json.dumps(arch), str(out)]
+           str(SCRIPT), "pairwise,pointwise", json.dumps(arch), str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     r = load_file(out)
     assert int(r["graph_breaks"]) == 0 and int(r["graphs"]) >= 1
-    for step in (0, 1):
-        torch.testing.assert_close(r[f"loss_True_{step}"], r[f"loss_False_{step}"], rtol=RTOL, atol=ATOL)
-    grads = [k.removeprefix("grad_False_") for k in r if k.startswith("grad_False_")]
-    assert grads and all(f"grad_True_{name}" in r for name in grads)
-    for name in grads:
-        torch.testing.assert_close(r[f"grad_True_{name}"], r[f"grad_False_{name}"], rtol=RTOL,
-                                   atol=ATOL, msg=name)
+    kinds = ("pairwise", "pointwise")
+    pairs = [(f"{kind}_True_padded", f"{kind}_False_padded", RTOL, ATOL) for kind in kinds]
+    pairs += [(f"{kind}_{compiled}_packed", f"{kind}_{compiled}_padded", PACKED_RTOL, PACKED_ATOL)
+              for kind in kinds for compiled in (False, True)]
+    for run, reference, rtol, atol in pairs:
+        for step in (0, 1):
+            torch.testing.assert_close(r[f"loss_{run}_{step}"], r[f"loss_{reference}_{step}"],
+                                       rtol=rtol, atol=atol)
+        grads = [k.removeprefix(f"grad_{reference}_") for k in r if k.startswith(f"grad_{reference}_")]
+        assert grads and all(f"grad_{run}_{name}" in r for name in grads)
+        for name in grads:
+            torch.testing.assert_close(r[f"grad_{run}_{name}"], r[f"grad_{reference}_{name}"], rtol=rtol,
+                                       atol=atol, msg=f"{run} {name}")
 
 
 def test_a_compiled_run_checkpoints_resumes_and_exports_with_eager_keys(demo_root, tmp_path):

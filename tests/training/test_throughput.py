@@ -16,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 
+from crm.data.packing import pack
 from crm.data.padding import pad_rows
 from crm.perf.flops import ModelShape, flops_per_token
 from crm.training.module import CRMModule, OptimConfig
@@ -66,12 +67,12 @@ class Recorder(Logger):
         pass
 
 
-def batches(n: int, lengths=LENGTHS) -> list[dict]:
+def batches(n: int, lengths=LENGTHS, packed: bool = False) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
         rows = [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in lengths]
-        batch = pad_rows(rows, PAD)
+        batch = {**pack([(r,) for r in rows]), "branched": False} if packed else pad_rows(rows, PAD)
         batch.update(labels=torch.arange(len(lengths)) % 2, shortened=torch.tensor(0),
                      dropped=torch.tensor(0), step_examples=torch.tensor(len(lengths)),
                      step_index=0, step_batches=1, epoch_index=i)
@@ -86,7 +87,7 @@ def module() -> CRMModule:
 
 
 def fit(throughput: Throughput, clock: Clock, *, steps: int, accumulate: int = 1,
-        validate_every: int | None = None) -> Recorder:
+        validate_every: int | None = None, packed: bool = False) -> Recorder:
     recorder = Recorder()
     loader = partial(torch.utils.data.DataLoader, batch_size=None)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps,
@@ -95,7 +96,7 @@ def fit(throughput: Throughput, clock: Clock, *, steps: int, accumulate: int = 1
                         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
                         val_check_interval=validate_every or 1.0, limit_val_batches=2,
                         callbacks=[Tick(clock), throughput])
-    trainer.fit(module(), train_dataloaders=loader(batches(steps * accumulate)),
+    trainer.fit(module(), train_dataloaders=loader(batches(steps * accumulate, packed=packed)),
                 val_dataloaders=loader(batches(2)) if validate_every else None)
     assert trainer.global_step == steps
     return recorder
@@ -121,6 +122,7 @@ def test_tokens_samples_and_mfu_from_known_batches():
     per_token = flops_per_token(shape, 25 / 4)  # S = mean real row length
     expected = {"perf/tokens_per_s": 100 / 2, "perf/tokens_per_s_per_gpu": 100 / 2,
                 "perf/padded_tokens_per_s": 144 / 2, "perf/samples_per_s": 16 / 2,
+                "perf/real_token_fraction": 100 / 144, "perf/tokens_per_sample": 144 / 16,
                 "perf/mfu": 100 / 2 * per_token / peak}
     for _, metrics in recorder.logged:
         assert metrics == pytest.approx(expected)
@@ -128,6 +130,18 @@ def test_tokens_samples_and_mfu_from_known_batches():
     assert last["step"] == 4 and last["seconds"] == 2.0 and last["tokens"] == 100
     assert last["mean_row_tokens"] == 6.25 and last["flops_per_token"] == pytest.approx(per_token)
     assert last["perf/mfu"] == pytest.approx(expected["perf/mfu"])
+
+
+def test_a_packed_row_counts_every_token_real_and_computed_once():
+    """The same records packed: 25 real tokens a micro batch and nothing else computed; S is still
+    the records' mean length (their own sequences are what attention spans)."""
+    clock = Clock()
+    throughput = Throughput(log_every_n_steps=2, gpu=None, peak_flops=1e7, clock=clock)
+    fit(throughput, clock, steps=2, packed=True)
+    last = throughput.last
+    assert last["perf/tokens_per_s"] == 50 and last["perf/padded_tokens_per_s"] == 50
+    assert last["perf/real_token_fraction"] == 1.0 and last["perf/tokens_per_sample"] == 25 / 4
+    assert last["mean_row_tokens"] == 6.25
 
 
 def throughput_model_config():
@@ -151,7 +165,8 @@ def test_figures_are_summed_over_ranks(monkeypatch):
     callback must call."""
     import crm.training.throughput
 
-    other = torch.tensor([9.0, 9.0, 3.0, 3.0], dtype=torch.float64)  # real, padded, rows, records
+    # real, computed, rows, records, packed real, packed attended
+    other = torch.tensor([9.0, 9.0, 3.0, 3.0, 0.0, 0.0], dtype=torch.float64)
     calls = []
 
     def all_ranks_sum(tensor):
