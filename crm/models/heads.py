@@ -2,8 +2,9 @@
 
 Both read the head at each row's last attended token, found from the attention mask (not from the
 pad id, which breaks when pad == eos), rows right padded; or, for a packed batch
-(crm.data.packing: a batch with `read`), at the tokens it names (crm.models.packing). The wrapped
-model is a plain `Qwen3ForSequenceClassification`, so an export loads with `AutoModelForSequenceClassification`.
+(crm.data.packing: a batch with `read`), at the tokens it names (crm.models.packing). The
+wrapped model is a plain `Qwen3ForSequenceClassification`, so an export loads with
+`AutoModelForSequenceClassification`.
 """
 from __future__ import annotations
 
