@@ -60,7 +60,7 @@ def main() -> None:
         tokenizer = train_bpe_tokenizer(training_texts(f"{tmp}/raw/train.jsonl"), args.vocab_size)
         # The demo recipe's transforms: both directions, swaps and random noise exercise every path.
         transform = TransformConfig(direction="random", noise="random", swap_prob=0.5)
-        cfg = StreamConfig(batch_size=args.batch_size, max_tokens=args.max_tokens)
+        cfg = StreamConfig(batch_size=args.batch_size, max_tokens=args.max_tokens, packing=False)
         result = {
             "data": {"train_records": sum(s.records for s in manifest.shards("train")),
                      "batch_size": args.batch_size, "max_tokens": args.max_tokens,

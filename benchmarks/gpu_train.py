@@ -60,10 +60,15 @@ class StepStats(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step > self.warmup:
-            mask = batch["attention_mask"]
-            self.real += int(mask.sum())
-            self.padded += mask.numel()
-            self.rows += mask.shape[0]
+            if "read" in batch:  # a packed row: every token real
+                self.real += batch["real_tokens"]
+                self.padded += batch["real_tokens"]
+                self.rows += batch["read"].numel()
+            else:
+                mask = batch["attention_mask"]
+                self.real += int(mask.sum())
+                self.padded += mask.numel()
+                self.rows += mask.shape[0]
             self.samples += len(batch["keys"])
         self.widest = max(self.widest, tuple(batch["input_ids"].shape), key=lambda s: s[0] * s[1])
         if step == self._last_step:  # accumulating: no optimizer step yet

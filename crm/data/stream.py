@@ -61,7 +61,7 @@ class StreamSettings:
     shuffle_buffer: int = 2048  # records mixed across shard boundaries
     window_batches: int = 32  # length grouping: sort this many batches' worth of records by length
     num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
-    packing: bool = False  # a batch is one row of its records' real tokens (crm.data.packing)
+    packing: bool = True  # a batch is one row of its records' real tokens (crm.data.packing)
 
 
 @dataclass(frozen=True, kw_only=True)

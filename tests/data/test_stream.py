@@ -55,10 +55,13 @@ def shards3(tmp_path_factory) -> list[ShardInfo]:
 
 
 def make_loader(shards, *, rank=0, world=1, workers=0, batch_size=4, ties="drop", mode="pairwise",
-                transform: TransformConfig | None = None, tokenizer=TOK, **cfg) -> StreamLoader:
+                transform: TransformConfig | None = None, tokenizer=TOK, packing=False,
+                **cfg) -> StreamLoader:
+    """A rank's loader; right-padded batches unless `packing` (the tests read rows by their mask;
+    packed batches hold the same records: test_packed_batches_hold_...)."""
     transform = transform or TransformConfig(ties=ties)
-    ds = PairStream(shards, tokenizer, StreamConfig(batch_size=batch_size, mode=mode, **cfg), transform,
-                    rank=rank, world=world)
+    cfg = StreamConfig(batch_size=batch_size, mode=mode, packing=packing, **cfg)
+    ds = PairStream(shards, tokenizer, cfg, transform, rank=rank, world=world)
     return StreamLoader(ds, num_workers=workers)
 
 
@@ -442,7 +445,7 @@ def test_stream_trains_readme_format_shards(tmp_path):
     line_key = {f"l{n:09d}": key for n, key in enumerate(objs, start=1)}
     for ties in ("drop", "keep"):
         transform = TransformConfig(ties=ties, noise="replace", swap_prob=0.5)
-        ds = PairStream(shards, TOK, StreamConfig(batch_size=4), transform, m.criteria_pool)
+        ds = PairStream(shards, TOK, StreamConfig(batch_size=4, packing=False), transform, m.criteria_pool)
         batches = list(StreamLoader(ds))
         keys = [line_key[k] for k in keys_of(batches)]
         assert sorted(keys) == sorted(DECIDED | (TIES if ties == "keep" else set()))

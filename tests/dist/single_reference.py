@@ -81,7 +81,8 @@ class GlobalBatchDataModule(CRMDataModule):
         parts = WORLD * ACCUMULATION
         if self.stream.batch_size % parts:
             raise ValueError(f"micro_batch_size={self.stream.batch_size}: not divisible by {parts}")
-        stream = replace(self.stream, batch_size=self.stream.batch_size // parts)
+        # right padded whatever the run packs: the reference concatenates the ranks' rows
+        stream = replace(self.stream, batch_size=self.stream.batch_size // parts, packing=False)
         streams = [PairStream(self.manifest.shards("train"), self.tokenizer, stream, self.transform,
                               self.manifest.criteria_pool, rank=rank, world=WORLD)
                    for rank in range(WORLD)]

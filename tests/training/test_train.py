@@ -24,6 +24,7 @@ from omegaconf import OmegaConf, open_dict
 from transformers import AutoTokenizer
 
 import crm_configs
+from crm.data.packing import unpack
 from crm.models.checkpoint import load_checkpoint, model_weights
 from crm.core.errors import ConfigError
 from crm.cli.common import settings
@@ -359,7 +360,8 @@ def test_a_custom_template_trains_and_survives_export(demo_root, tmp_path, monke
     original = CRMModule.training_step
 
     def training_step(self, batch, batch_idx):
-        seen.append(batch["input_ids"][0, :int(batch["attention_mask"][0].sum())].tolist())
+        seen.append(unpack(batch)[0] if "read" in batch else
+                    batch["input_ids"][0, :int(batch["attention_mask"][0].sum())].tolist())
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(CRMModule, "training_step", training_step)
