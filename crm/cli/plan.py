@@ -27,7 +27,8 @@ from crm.models.factory import ModelConfig
 from crm.models.lora import LoraConfig
 from crm.perf.flops import ModelShape, flops_per_token, model_shape, peak_flops, tokens_per_s_at
 from crm.perf.memory import (PRECISIONS, ROWS_PER_RECORD, STRATEGIES, decoder_linears, host_startup_plan,
-                             lora_parameters, memory_plan, process_group_timeout_minutes)
+                             lora_parameters, memory_plan, process_group_timeout_minutes,
+                             tokens_per_record)
 from crm.perf.network import GRAD_SYNCS, Links, choose_sharding, network_plan, sharding_world
 
 
@@ -68,6 +69,8 @@ class PlanConfig:
     peak_tflops: float | None = MISSING
     mfu: float = MISSING
     kind: str = MISSING
+    packing: bool = MISSING
+    prompt_share: float = MISSING
     sharding: str = MISSING
     grad_sync: str = MISSING
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -122,6 +125,14 @@ def check_settings(cfg) -> None:
                                  ("grad_sync", cfg.grad_sync, GRAD_SYNCS)):
         if value not in allowed:
             raise ConfigError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    if not 0 <= cfg.prompt_share < 1:
+        raise ConfigError(f"prompt_share={cfg.prompt_share}: expected 0 <= prompt_share < 1 (the share of a "
+                          "pointwise row that is criteria + query)")
+
+
+def token_settings(cfg) -> dict:
+    """The settings that say how many tokens a record computes (crm.perf.memory.tokens_per_record)."""
+    return {"kind": cfg.kind, "packing": cfg.packing, "prompt_share": cfg.prompt_share}
 
 
 def lora_trainable(shape, lora: LoraConfig) -> int | None:
@@ -142,8 +153,8 @@ def evaluate(shape, cfg, *, num_nodes: int, devices: int, sharding: str, micro_b
     network plan counts full training's gradients (a LoRA run reduces far fewer)."""
     world = num_nodes * devices
     memory = memory_plan(shape, world=sharding_world(sharding, num_nodes, devices) if cfg.strategy == "fsdp"
-                         else world, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, kind=cfg.kind,
-                         precision=cfg.precision, strategy=cfg.strategy,
+                         else world, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size,
+                         **token_settings(cfg), precision=cfg.precision, strategy=cfg.strategy,
                          activation_checkpointing=activation_checkpointing, compiled=cfg.compile,
                          attention="eager" if cfg.model.attention == "eager" else "sdpa",
                          accumulating=accumulating,
@@ -155,7 +166,7 @@ def evaluate(shape, cfg, *, num_nodes: int, devices: int, sharding: str, micro_b
     network = None
     if cfg.strategy == "fsdp" and peak:
         network = network_plan(shape, num_nodes=num_nodes, devices=devices, seq_len=cfg.seq_len,
-                               micro_batch_size=micro_batch_size, accumulation=k, kind=cfg.kind,
+                               micro_batch_size=micro_batch_size, accumulation=k, **token_settings(cfg),
                                sharding=sharding, grad_sync=cfg.grad_sync,
                                activation_checkpointing=activation_checkpointing,
                                compute_mfu=cfg.network.compute_mfu, peak_flops=peak, links=links(cfg))
@@ -170,7 +181,8 @@ def resolve_sharding(shape, cfg, num_nodes: int, devices: int) -> str:
     if cfg.sharding != "auto":
         return cfg.sharding
     return choose_sharding(shape, num_nodes=num_nodes, devices=devices, seq_len=cfg.seq_len,
-                           micro_batch_size=cfg.micro_batch_size, kind=cfg.kind, precision=cfg.precision,
+                           micro_batch_size=cfg.micro_batch_size, **token_settings(cfg),
+                           precision=cfg.precision,
                            activation_checkpointing=cfg.activation_checkpointing, compiled=cfg.compile,
                            gpu_memory_gib=cfg.gpu_memory_gib, headroom_fraction=cfg.headroom_fraction,
                            reserved_gib=cfg.reserved_gib)
@@ -198,10 +210,10 @@ def plan(cfg: DictConfig) -> dict:
                              param_bytes=PRECISIONS[cfg.precision].param)
     train, forward = (flops_per_token(shape, cfg.seq_len, training=t) for t in (True, False))
     per_gpu = tokens_per_s_at(cfg.mfu, train, peak)
-    tokens_per_record = cfg.seq_len * ROWS_PER_RECORD[cfg.kind]
     return {
         "model": {"name": cfg.model.name, **vars(shape)},
-        "kind": cfg.kind,
+        **record_tokens(cfg),
+        "tokens_per_micro_batch": planned["memory"]["tokens_per_micro_batch"],
         "num_nodes": nodes,
         "devices": devices,
         "sharding": sharding if cfg.strategy == "fsdp" else None,
@@ -209,7 +221,8 @@ def plan(cfg: DictConfig) -> dict:
         "network": planned["network"],
         "host_startup": {**host, "pretrained": bool(cfg.model.path)},
         "flops": {
-            "formula": "6 N + 12 L H d S (forward: a third); N non-embedding, S = seq_len",
+            "formula": "6 N + 12 L H d S (forward: a third); N non-embedding, S = seq_len (a record's "
+                       "own sequence, packed or not)",
             "train_per_token": train,
             "forward_per_token": forward,
             "gpu": cfg.gpu,
@@ -217,7 +230,8 @@ def plan(cfg: DictConfig) -> dict:
             "mfu": cfg.mfu,
             "tokens_per_s_per_gpu": per_gpu,
             "tokens_per_s": None if per_gpu is None else per_gpu * world,
-            "records_per_s": None if per_gpu is None else per_gpu * world / tokens_per_record,
+            "records_per_s": (None if per_gpu is None
+                              else per_gpu * world / planned["memory"]["tokens_per_record"]),
         },
     }
 
@@ -249,11 +263,13 @@ def table(cfg: DictConfig) -> dict:
                              accumulating=cfg.global_batch_size is None or k > 1, peak=peak)
                 net = e["network"]
                 row[sharding] = {"step_seconds": net["step_seconds"], "mfu": net["mfu"],
+                                 "records_per_s": net["records_per_s_per_gpu"] * nodes * devices,
                                  "exposed_seconds": net["exposed_seconds_per_step"],
                                  "memory_gib": e["memory"]["total_gib"], "fits": e["memory"]["fits"]}
             rows.append(row)
-    return {"devices": devices, "seq_len": cfg.seq_len, "micro_batch_size": cfg.micro_batch_size,
-            "global_batch_size": cfg.global_batch_size, "kind": cfg.kind, "grad_sync": cfg.grad_sync,
+    return {"devices": devices, "seq_len": cfg.seq_len, **record_tokens(cfg),
+            "micro_batch_size": cfg.micro_batch_size,
+            "global_batch_size": cfg.global_batch_size, "grad_sync": cfg.grad_sync,
             "activation_checkpointing": cfg.activation_checkpointing, "compiled": cfg.compile,
             "network": vars(cfg.network), "gpu": cfg.gpu, "peak_flops_per_gpu": peak, "rows": rows}
 
@@ -284,11 +300,31 @@ def one_gpu(cfg: DictConfig) -> dict:
                           "fits": {f"{gib:g}": memory["total_gib"] <= usable_gib(cfg, gib)
                                    for gib in cfg.one_gpu_sizes_gib}}
         rows.append(row)
-    return {"seq_len": cfg.seq_len, "micro_batch_size": cfg.micro_batch_size, "kind": cfg.kind,
+    return {"seq_len": cfg.seq_len, **record_tokens(cfg), "micro_batch_size": cfg.micro_batch_size,
             "precision": cfg.precision, "strategy": cfg.strategy, "compiled": cfg.compile,
             "activation_checkpointing": cfg.activation_checkpointing, "lora_rank": lora.rank,
             "lora_targets": list(lora.target_modules), "sizes_gib": list(cfg.one_gpu_sizes_gib),
             "rows": rows}
+
+
+def record_tokens(cfg) -> dict:
+    """kind, packing, the prompt_share that counts (None where it is ignored) and tokens a record."""
+    share = cfg.prompt_share if cfg.packing and cfg.kind == "pointwise" else None
+    return {"kind": cfg.kind, "packing": cfg.packing, "prompt_share": share,
+            "tokens_per_record": tokens_per_record(cfg.kind, cfg.seq_len, packing=cfg.packing,
+                                                   prompt_share=cfg.prompt_share)}
+
+
+def share_note(t: dict) -> str:
+    if t["prompt_share"] is None:
+        return ""
+    return f" (criteria + query, {t['prompt_share']:g} of a row, once)"
+
+
+def describe_tokens(t: dict) -> str:
+    """`pointwise rows of 4096 tokens, packed, 7,373 tokens a record (...)`, for the headers."""
+    return (f"{t['kind']} rows of {t['seq_len']} tokens{', packed' if t['packing'] else ''}, "
+            f"{t['tokens_per_record']:,.0f} tokens a record{share_note(t)}")
 
 
 def usable_gib(cfg, gpu_gib: float) -> float:
@@ -298,7 +334,7 @@ def usable_gib(cfg, gpu_gib: float) -> float:
 def format_one_gpu(t: dict) -> str:
     sizes = t["sizes_gib"]
     head = "".join(f"{f'{g:g} GiB':>9}" for g in sizes)
-    lines = [f"crm-plan one_gpu: one GPU, {t['kind']} rows of {t['seq_len']} tokens, micro batch "
+    lines = [f"crm-plan one_gpu: one GPU, {describe_tokens(t)}, micro batch "
              f"{t['micro_batch_size']}, {t['precision']} {t['strategy']}, checkpointing "
              f"{'on' if t['activation_checkpointing'] else 'off'}, layers "
              f"{'compiled' if t['compiled'] else 'eager'}; LoRA rank {t['lora_rank']} on "
@@ -319,7 +355,7 @@ def format_table(t: dict) -> str:
         return f"{x['step_seconds']:>8.3f} s {x['mfu']:>5.3f}{'' if x['fits'] else ' NOFIT':>6}"
 
     n = t["network"]
-    lines = [f"crm-plan table: {t['devices']} GPUs per node, {t['kind']} rows of {t['seq_len']} tokens, "
+    lines = [f"crm-plan table: {t['devices']} GPUs per node, {describe_tokens(t)}, "
              f"micro batch {t['micro_batch_size']}, global batch {t['global_batch_size']}, grad_sync "
              f"{t['grad_sync']}, checkpointing {'on' if t['activation_checkpointing'] else 'off'}; "
              f"NVLink {n['intra_node_busbw_gbs']:g} GB/s, network {n['inter_node_busbw_gbs']:g} GB/s per "
@@ -372,6 +408,7 @@ def recommend(cfg: DictConfig) -> dict:
                                        "activation_checkpointing": ckpt, "accumulation": k,
                                        "mfu": e["network"]["mfu"],
                                        "step_seconds": e["network"]["step_seconds"],
+                                       "records_per_s": e["network"]["records_per_s_per_gpu"] * world,
                                        "memory_gib": e["memory"]["total_gib"]})
     if not candidates:
         raise ConfigError(f"nothing fits {cfg.model.name} with {cfg.seq_len}-token rows on {nodes} node(s) x "
@@ -382,13 +419,13 @@ def recommend(cfg: DictConfig) -> dict:
     best = max(near, key=lambda c: (c["sharding"] == "hsdp", c["mfu"]))
     overrides = [f"parallel.sharding={best['sharding']}", f"micro_batch_size={best['micro_batch_size']}",
                  f"parallel.activation_checkpointing={str(best['activation_checkpointing']).lower()}",
-                 f"stream.max_tokens={cfg.seq_len}"]
+                 f"stream.max_tokens={cfg.seq_len}", f"stream.packing={str(cfg.packing).lower()}"]
     # How long a rank may wait in a collective: a checkpoint save of what this run trains.
     timeout = process_group_timeout_minutes(shape, num_nodes=nodes,
                                             trained_params=lora_trainable(shape, cfg.lora))
     overrides.append(f"parallel.timeout_minutes={timeout}")
-    return {"model": cfg.model.name, "kind": cfg.kind, "num_nodes": nodes, "devices": devices,
-            "seq_len": cfg.seq_len, "global_batch_size": cfg.global_batch_size, "best": best,
+    return {"model": cfg.model.name, "num_nodes": nodes, "devices": devices, "seq_len": cfg.seq_len,
+            **record_tokens(cfg), "global_batch_size": cfg.global_batch_size, "best": best,
             "lora_rank": cfg.lora.rank, "timeout_minutes": timeout, "overrides": overrides,
             "candidates": candidates}
 
@@ -434,8 +471,11 @@ def format_plan(p: dict) -> str:
     lines = [
         f"crm-plan: {m['name']} {p['kind']}, {p['num_nodes']} node(s) x {p['devices']} GPUs, "
         f"seq {mem['seq_len']}, micro batch {mem['micro_batch_size']} "
-        f"({mem['rows_per_micro_batch']} row(s)), {mem['precision']} {p['sharding'] or mem['strategy']}, "
+        f"({mem['rows_per_micro_batch']} row(s){', packed' if p['packing'] else ''}), "
+        f"{mem['precision']} {p['sharding'] or mem['strategy']}, "
         f"checkpointing {'on' if ckpt else 'off'}, layers {'compiled' if mem['compiled'] else 'eager'}",
+        f"tokens: {p['tokens_per_record']:,.0f} a record{share_note(p)}, "
+        f"{p['tokens_per_micro_batch']:,.0f} a micro batch (what the activations and the step time count)",
         f"model: {m['total_params'] / 1e9:.3f} B parameters, {m['non_embedding_params'] / 1e9:.3f} B "
         f"non-embedding; {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads x "
         f"{m['head_dim']} ({m['kv_heads']} kv), intermediate {m['intermediate']}",
@@ -507,9 +547,9 @@ def main(cfg: DictConfig) -> None:
         write_json(path, result)
         best = result["best"]
         print(f"crm-plan: {result['model']} on {result['num_nodes']} node(s) x {result['devices']} GPUs, "
-              f"{result['seq_len']}-token rows: {len(result['candidates'])} setting(s) fit; fastest: "
+              f"{describe_tokens(result)}: {len(result['candidates'])} setting(s) fit; fastest: "
               f"predicted MFU {best['mfu']:.3f}, step {best['step_seconds']:.3f} s, "
-              f"{best['memory_gib']:.1f} GiB")
+              f"{best['records_per_s']:,.1f} records/s, {best['memory_gib']:.1f} GiB")
         print("recommend: " + " ".join(result["overrides"]))  # launch/train.sbatch reads this line
         return
     else:

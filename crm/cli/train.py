@@ -418,7 +418,7 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bo
 
 def run_plan_arguments(train_overrides: list[str]) -> list[str]:
     """crm-plan's settings for the crm-train run that `train_overrides` compose: its model, row
-    length, batch, loss kind, sharding, gradient sync, compilation and LoRA as the run will have
+    length, packing, batch, loss kind, sharding, gradient sync, compilation and LoRA as the run will have
     them, `experiment=` and every other group included (launch/train.sbatch plans with these;
     here, beside train.yaml's schema, which composing needs)."""
     from hydra import compose, initialize_config_module
@@ -426,6 +426,7 @@ def run_plan_arguments(train_overrides: list[str]) -> list[str]:
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=list(train_overrides))
     args = [f"model={cfg.model.name}", f"seq_len={cfg.stream.max_tokens}",
+            f"packing={str(cfg.stream.packing).lower()}",
             f"global_batch_size={cfg.global_batch_size}",
             f"max_micro_batch_size={cfg.max_micro_batch_size}", f"kind={cfg.loss.kind}",
             f"sharding={cfg.parallel.sharding}", f"grad_sync={cfg.parallel.grad_sync}",

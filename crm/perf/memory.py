@@ -28,8 +28,13 @@ gradients after its step). With gradient accumulation the gradients of the earli
 are held while the next one runs: then the peak is their sum. `accumulating` (default True, the
 larger) says which.
 
-Activations: what autograd keeps for backward, per token of a micro batch of T = micro_batch x
-rows_per_record x S tokens (a pointwise record is two rows, chosen and rejected, in one forward).
+Activations: what autograd keeps for backward, per token of the tokens one micro batch computes
+(`tokens_per_record` x micro batch): padded rows, micro_batch x rows_per_record x S (a pointwise
+record is two rows, chosen and rejected, in one forward; S a full row, the plan has no padding);
+packed (crm-train's stream.packing, crm.data.packing), the same for pairwise records, and for a
+pointwise pair S x (2 - p), its criteria + query (the share p of a row, `prompt_share`) computed
+once and its two responses as branches. Attention stays per record, so S, the row length, is still
+the length each token attends over (eager attention's softmax below, and crm.perf.flops' S).
 `LAYER_BYTES` holds, for one HF Qwen3 decoder layer, the bytes per token as a linear form in (h, q,
 k, i, H, KV, 1), by how the layer computes:
     bf16      bf16 parameters and residual stream (FSDP2's param_dtype=bfloat16, or bf16-true)
@@ -100,6 +105,21 @@ PRECISIONS: dict[str, PrecisionBytes] = {
 STRATEGIES = ("fsdp", "ddp")
 ROWS_PER_RECORD = {"pairwise": 1, "pointwise": 2}
 
+
+def tokens_per_record(kind: str, seq_len: int, *, packing: bool = False, prompt_share: float = 0.0) -> float:
+    """Tokens one record computes: its rows of `seq_len` tokens, or packed, a pointwise pair's
+    criteria + query (`prompt_share` of a row) once and its two responses: seq_len x (2 - share).
+    `prompt_share` is read only for a packed pointwise record."""
+    if kind not in ROWS_PER_RECORD:
+        raise ValueError(f"kind={kind!r}: expected one of {', '.join(ROWS_PER_RECORD)}")
+    if not 0.0 <= prompt_share < 1.0:
+        raise ValueError(f"prompt_share={prompt_share}: expected 0 <= prompt_share < 1 (the share of "
+                         "a pointwise row that is criteria + query)")
+    if packing and kind == "pointwise":
+        return seq_len * (2.0 - prompt_share)
+    return seq_len * ROWS_PER_RECORD[kind]
+
+
 # Bytes per token kept by one decoder layer: coefficients of (h, q, k, i, H, KV, 1) (the docstring).
 LAYER_BYTES: dict[tuple[str, bool], tuple[int, ...]] = {
     ("bf16", False): (16, 10, 10, 8, 8, 4, 8),
@@ -135,9 +155,10 @@ def rest_bytes(shape: ModelShape, mode: str) -> int:
     return h * shape.hidden + const + rope * shape.head_dim
 
 
-def activation_bytes(shape: ModelShape, *, seq_len: int, rows: int, mode: str, compiled: bool,
-                     checkpointing: bool, attention: str = "sdpa") -> int:
-    """Activations of `rows` rows of `seq_len` tokens, with or without full checkpointing."""
+def activation_bytes(shape: ModelShape, *, seq_len: int, tokens: float, mode: str, compiled: bool,
+                     checkpointing: bool, attention: str = "sdpa") -> float:
+    """Activations of `tokens` tokens each attending over sequences of `seq_len`, with or without
+    full checkpointing."""
     layer = layer_bytes(shape, mode, compiled)
     if attention == "eager":
         layer += shape.heads * seq_len * 6
@@ -145,7 +166,7 @@ def activation_bytes(shape: ModelShape, *, seq_len: int, rows: int, mode: str, c
         per_token = shape.layers * shape.hidden * RESIDUAL_BYTES[mode] + layer
     else:
         per_token = shape.layers * layer
-    return rows * seq_len * (per_token + rest_bytes(shape, mode))
+    return tokens * (per_token + rest_bytes(shape, mode))
 
 
 # The linear layers of a Qwen3 decoder layer: (in, out) features from the shape's sizes.
@@ -167,7 +188,8 @@ FROZEN_BYTES = 2  # a LoRA run's frozen base: bf16 (lora.base_dtype)
 
 
 def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size: int = 1,
-                kind: str = "pairwise", precision: str = "bf16-mixed", strategy: str = "fsdp",
+                kind: str = "pairwise", packing: bool = False, prompt_share: float = 0.0,
+                precision: str = "bf16-mixed", strategy: str = "fsdp",
                 activation_checkpointing: bool = True, compiled: bool = False,
                 attention: str = "sdpa", accumulating: bool = True, unsharded_grads: bool = False,
                 gpu_memory_gib: float = 80.0, headroom_fraction: float = 0.10,
@@ -177,7 +199,8 @@ def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size
     `total_gib` and `fits` are for the configured `activation_checkpointing`; the `_checkpointed`
     and `_full` variants give both settings. `world` is the GPUs the states shard over (one node's
     under HSDP); `unsharded_grads` counts flat FSDP's gradients held whole, in the reduce dtype,
-    across an accumulation under grad_sync=step (crm.perf.network).
+    across an accumulation under grad_sync=step (crm.perf.network). `packing` and `prompt_share`:
+    the tokens a micro batch computes (`tokens_per_record`).
     """
     for name, value, allowed in (("precision", precision, PRECISIONS), ("kind", kind, ROWS_PER_RECORD),
                                  ("strategy", strategy, STRATEGIES)):
@@ -195,14 +218,16 @@ def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size
         T, frozen, mode = trainable, P - shape.hidden * shape.num_labels, "bf16"
     stored = T * b.param + frozen * FROZEN_BYTES
     shards = world if strategy == "fsdp" else 1
-    rows = micro_batch_size * ROWS_PER_RECORD[kind]
+    rows = 1 if packing else micro_batch_size * ROWS_PER_RECORD[kind]  # packed: the micro batch is one row
+    per_record = tokens_per_record(kind, seq_len, packing=packing, prompt_share=prompt_share)
+    tokens = micro_batch_size * per_record
     in_flight = copies = 0
     if strategy == "fsdp":
         layer_grads = shape.layer_params if trainable is None else T / shape.layers
         in_flight = (shape.root_params + 2 * shape.layer_params) * b.compute + layer_grads * b.grad
     elif mode == "autocast":
         copies = shape.layers * shape.layer_params * 2
-    activations = {ckpt: activation_bytes(shape, seq_len=seq_len, rows=rows, mode=mode,
+    activations = {ckpt: activation_bytes(shape, seq_len=seq_len, tokens=tokens, mode=mode,
                                           compiled=compiled, checkpointing=ckpt, attention=attention)
                    for ckpt in (True, False)}
     gib = {
@@ -236,7 +261,11 @@ def memory_plan(shape: ModelShape, *, world: int, seq_len: int, micro_batch_size
         "world": world,
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
+        "packing": packing,
+        "prompt_share": prompt_share if packing and kind == "pointwise" else None,  # where it counts
         "rows_per_micro_batch": rows,
+        "tokens_per_record": per_record,
+        "tokens_per_micro_batch": tokens,
         "activation_checkpointing": activation_checkpointing,
         "accumulating": accumulating,
         "bytes_per_param": {"param": b.param, "grad": b.grad, "optimizer": b.optimizer,

@@ -35,8 +35,10 @@ root's, after layer 0's backward) and, for HSDP on a step that all-reduces, the 
 Collectives are added up as if serial (conservative: FSDP2 runs all-gathers and reductions on their
 own streams, and NVLink and the NICs could move data at once).
 
-Compute: training FLOPs of the micro step (crm.perf.flops, 6 N + 12 L H d S per token) at
-`compute_mfu` of the peak, x 4/3 with activation checkpointing (the forward run again in backward).
+Compute: training FLOPs of the micro step (crm.perf.flops, 6 N + 12 L H d S per token, S the row
+length; its tokens crm.perf.memory.tokens_per_record's: a packed pointwise pair computes its
+criteria + query once) at `compute_mfu` of the peak, x 4/3 with activation checkpointing (the
+forward run again in backward).
 The predicted MFU is the useful FLOPs over (step time x peak).
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from crm.perf.flops import ModelShape, flops_per_token
-from crm.perf.memory import ROWS_PER_RECORD, memory_plan
+from crm.perf.memory import memory_plan, tokens_per_record
 
 SHARDINGS = ("fsdp", "hsdp")
 GRAD_SYNCS = ("step", "micro_batch")
@@ -96,7 +98,8 @@ def rings(sharding: str, num_nodes: int, devices: int, links: Links) -> tuple[Ri
 
 def network_plan(shape: ModelShape, *, num_nodes: int, devices: int, seq_len: int,
                  micro_batch_size: int = 1, accumulation: int = 1, kind: str = "pairwise",
-                 sharding: str = "fsdp", grad_sync: str = "step", activation_checkpointing: bool = False,
+                 packing: bool = False, prompt_share: float = 0.0, sharding: str = "fsdp",
+                 grad_sync: str = "step", activation_checkpointing: bool = False,
                  compute_mfu: float = 0.45, peak_flops: float = 989e12,
                  links: Links = Links()) -> dict:
     """Bytes and seconds of each collective per optimizer step on one GPU, the compute time, the
@@ -139,7 +142,7 @@ def network_plan(shape: ModelShape, *, num_nodes: int, devices: int, seq_len: in
                                 P * REDUCE_BYTES / devices, units, all_reduces, "all_reduce"))
     gather_fwd, gather_bwd, scatter = items[:3]
 
-    tokens = micro_batch_size * ROWS_PER_RECORD[kind] * seq_len
+    tokens = micro_batch_size * tokens_per_record(kind, seq_len, packing=packing, prompt_share=prompt_share)
     useful = tokens * flops_per_token(shape, seq_len)
     recompute = 4 / 3 if activation_checkpointing else 1.0
     compute = useful * recompute / (compute_mfu * peak_flops)
@@ -173,6 +176,7 @@ def network_plan(shape: ModelShape, *, num_nodes: int, devices: int, seq_len: in
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
         "tokens_per_micro_step": tokens,
+        "records_per_s_per_gpu": k * micro_batch_size / step,
         "activation_checkpointing": activation_checkpointing,
         "links": vars(links),
         "shard_group": {"ranks": shard.ranks, "busbw_gbs": shard.busbw / 1e9},

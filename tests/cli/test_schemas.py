@@ -78,7 +78,7 @@ def test_every_benchmark_option_is_its_schema_and_composes(option, tmp_path):
     ("train", "model.vocab_size=big"), ("train", "loss=ranking loss.margin=wide"),
     ("train", "transform.redraw_each_epoch=perhaps"), ("eval", "batch_size=big"),
     ("leaderboard", "interval.resamples=many"), ("usl", "port=http"), ("usl", "limits.line=3"),
-    ("plan", "trainer.devices=auto"), ("plan", "model.attentoin=sdpa"),
+    ("plan", "trainer.devices=auto"), ("plan", "model.attentoin=sdpa"), ("plan", "prompt_share=most"),
     ("rl", "grpo.max_steps=many"), ("rl", "guards.bta=0.1"),
 ])
 def test_a_wrong_type_or_an_unknown_key_stops_the_composition(command, override):

@@ -17,7 +17,7 @@ import crm_configs
 from crm.cli.plan import main as plan_main
 from crm.perf.flops import (PEAK_FLOPS, ModelShape, flops_per_token, mfu, peak_flops,
                        tokens_per_s_at)
-from crm.perf.memory import GIB, host_startup_plan, memory_plan
+from crm.perf.memory import GIB, host_startup_plan, memory_plan, tokens_per_record
 from crm.perf.network import Links, choose_sharding, network_plan
 from crm.models.backbone import build_classifier
 
@@ -163,6 +163,38 @@ def test_activations_are_what_autograd_keeps(precision, strategy):
     assert abs(kept - plan["activations_full"] - copies - head) <= 64
 
 
+def test_packed_rows_count_the_tokens_a_micro_batch_computes(small):
+    """Packed (stream.packing): a pairwise record is its one row, as padded; a pointwise pair is
+    its criteria + query (p of a row) once and its two responses, S x (2 - p) tokens, at the same
+    bytes per token (the attention's S still the row's)."""
+    kw = dict(world=2, seq_len=10, micro_batch_size=4)
+    for ckpt in (True, False):
+        pairs = [plan_bytes(memory_plan(small, kind="pairwise", packing=packed, prompt_share=0.2,
+                                        activation_checkpointing=ckpt, **kw)) for packed in (False, True)]
+        assert pairs[0] == pairs[1]
+    padded = memory_plan(small, kind="pointwise", **kw)
+    packed = memory_plan(small, kind="pointwise", packing=True, prompt_share=0.2, **kw)
+    # by hand: 4 records x 10 x (2 - 0.2) = 72 tokens x (2 x 64 x 2 + 3,056 + 460) bytes, checkpointed
+    assert (padded["tokens_per_micro_batch"], packed["tokens_per_micro_batch"]) == (80, pytest.approx(72))
+    assert (padded["rows_per_micro_batch"], packed["rows_per_micro_batch"]) == (8, 1)
+    assert packed["activations_checkpointed_gib"] * GIB == pytest.approx(72 * (2 * 64 * 2 + 3056 + 460))
+    for key in ("activations_checkpointed_gib", "activations_full_gib"):
+        assert packed[key] == pytest.approx(padded[key] * (2 - 0.2) / 2)
+    assert packed["states_gib"] == padded["states_gib"]
+    assert packed["prompt_share"] == 0.2 and padded["prompt_share"] is None
+    # the step's compute follows the tokens; FLOPs per token keep S = the row
+    net = [network_plan(small, num_nodes=1, devices=2, seq_len=10, micro_batch_size=4, kind="pointwise",
+                        packing=packed, prompt_share=0.2) for packed in (False, True)]
+    assert net[1]["tokens_per_micro_step"] == pytest.approx(0.9 * net[0]["tokens_per_micro_step"])
+    assert net[1]["compute_seconds_per_micro_step"] == pytest.approx(
+        72 * flops_per_token(small, 10) / (0.45 * 989e12))
+    assert net[1]["records_per_s_per_gpu"] > net[0]["records_per_s_per_gpu"]
+    assert tokens_per_record("pointwise", 10, prompt_share=0.5) == 20  # padded: the share is ignored
+    for share in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=f"prompt_share={share}: expected 0 <= prompt_share < 1"):
+            tokens_per_record("pointwise", 10, packing=True, prompt_share=share)
+
+
 def test_one_micro_batch_per_step_peaks_at_the_larger_of_gradients_and_activations(small):
     kw = dict(world=1, seq_len=10, activation_checkpointing=False)
     held = plan_bytes(memory_plan(small, **kw))  # accumulation: the earlier gradients stay
@@ -259,8 +291,8 @@ def test_crm_plan_writes_plan_json_for_every_model_size(model, tmp_path, capsys)
 
 def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
     _, plan = run_plan(tmp_path, "model=qwen3-8b", "trainer.num_nodes=2", "trainer.devices=4",
-                       "kind=pointwise", "seq_len=2048", "gpu=v100", "activation_checkpointing=false",
-                       "sharding=fsdp")
+                       "kind=pointwise", "packing=false", "seq_len=2048", "gpu=v100",
+                       "activation_checkpointing=false", "sharding=fsdp")
     mem = plan["memory"]
     assert mem["world"] == 8 and mem["rows_per_micro_batch"] == 2 and mem["seq_len"] == 2048
     assert mem["total_gib"] == mem["total_full_gib"]
@@ -280,6 +312,36 @@ def test_crm_plan_overrides_and_unknown_gpu(tmp_path, capsys):
         run_plan(tmp_path, "model=qwen3-0.6b", "micro_batch_size=8", "global_batch_size=100")
     assert stop.value.code == 2
     assert "global_batch_size=100 is not a multiple of micro_batch_size=8" in capsys.readouterr().err
+
+
+def test_crm_plan_counts_packed_tokens(tmp_path, capsys):
+    """packing=true (the default, a GPU run's) and prompt_share: tokens a record and a micro batch,
+    activations, records/s; pairwise as padded; a share outside [0, 1) refused in one line."""
+    _, padded = run_plan(tmp_path, "model=qwen3-4b", "kind=pointwise", "micro_batch_size=2", "packing=false")
+    _, packed = run_plan(tmp_path, "model=qwen3-4b", "kind=pointwise", "micro_batch_size=2")
+    out = capsys.readouterr().out
+    assert packed["packing"] and packed["prompt_share"] == 0.2 and padded["prompt_share"] is None
+    assert (padded["tokens_per_record"], packed["tokens_per_record"]) == (8192, pytest.approx(4096 * 1.8))
+    assert packed["tokens_per_micro_batch"] == pytest.approx(2 * 4096 * 1.8)
+    assert "tokens: 7,373 a record (criteria + query, 0.2 of a row, once), 14,746 a micro batch" in out
+    for key in ("activations_checkpointed_gib", "activations_full_gib"):
+        assert packed["memory"][key] == pytest.approx(padded["memory"][key] * 0.9)
+    pf, uf = packed["flops"], padded["flops"]
+    assert pf["train_per_token"] == uf["train_per_token"]  # S: a record's own row, packed or not
+    assert pf["records_per_s"] == pytest.approx(pf["tokens_per_s"] / (4096 * 1.8))
+    assert pf["records_per_s"] == pytest.approx(uf["records_per_s"] / 0.9)
+    _, pairwise = run_plan(tmp_path, "model=qwen3-4b", "prompt_share=0.5")
+    _, unpacked = run_plan(tmp_path, "model=qwen3-4b", "packing=false")
+    assert pairwise["memory"]["total_gib"] == unpacked["memory"]["total_gib"]
+    assert pairwise["tokens_per_record"] == 4096 and pairwise["prompt_share"] is None
+    capsys.readouterr()
+    for share in ("1.0", "-0.1"):
+        with pytest.raises(SystemExit) as stop:
+            run_plan(tmp_path, "model=qwen3-4b", f"prompt_share={share}")
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.strip() == (f"{Path(sys.argv[0]).name}: prompt_share={float(share)}: expected 0 <= "
+                               "prompt_share < 1 (the share of a pointwise row that is criteria + query)")
 
 
 def test_crm_plan_console_script_is_installed():
@@ -412,6 +474,14 @@ def test_crm_plan_network_table_and_recommend(tmp_path, capsys):
                       "global_batch_size=256")
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommend: "))
     assert line.split()[1:] == rec["overrides"]
+    assert "stream.packing=true" in rec["overrides"]  # the plan's default: packed rows
+    _, rec_padded = run_plan(tmp_path, "recommend=true", "model=qwen3-8b", "trainer.num_nodes=4",
+                             "global_batch_size=256", "packing=false")
+    assert "stream.packing=false" in rec_padded["overrides"]
+    # launch/train.sbatch plans the run's own stream.packing
+    from crm.cli.train import run_plan_arguments
+    assert "packing=true" in run_plan_arguments(["stream.packing=true"])
+    assert "packing=false" in run_plan_arguments([])
     # crm-train's parallel.timeout_minutes, sized for a checkpoint save of the 8B on 4 nodes
     from crm.perf.memory import process_group_timeout_minutes
     timeout = process_group_timeout_minutes(ModelShape.from_arch("qwen3-8b"), num_nodes=4)
