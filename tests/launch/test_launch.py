@@ -262,7 +262,7 @@ def test_train_sbatch_runs_crm_train_with_the_plans_overrides_and_the_users(slur
             plan["global_batch_size"], plan["lora_rank"]) == ("qwen3-8b", "pointwise", 2, 8, 4096,
                                                               256, 16)
     assert "parallel.sharding=hsdp" in planned and "stream.max_tokens=4096" in planned
-    assert "stream.packing=false" in planned and plan["packing"] is False  # the run's own stream.packing
+    assert "stream.packing=true" in planned and plan["packing"] is True  # the run's own stream.packing
     assert "parallel.timeout_minutes=30" in planned
     cfg = compose_cfg("train", overrides)
     assert cfg.trainer.strategy == "fsdp" and cfg.trainer.num_nodes == 2 and cfg.trainer.devices == 8
