@@ -49,7 +49,9 @@ class StepStats(L.Callback):
         self.out, self.warmup = Path(out), warmup
         self.step_seconds: list[float] = []
         self.real = self.padded = self.rows = self.samples = 0
-        self.widest = (0, 0)  # (rows, width) of the largest micro batch
+        # (records, longest sequence) of the micro batch that computed the most tokens, packed
+        # or not, and whether it was packed
+        self.widest, self._widest_tokens, self.packed = (0, 0), 0, False
         self._last_step, self._mark = -1, None
 
     def _sync(self) -> float:
@@ -70,7 +72,11 @@ class StepStats(L.Callback):
                 self.padded += mask.numel()
                 self.rows += mask.shape[0]
             self.samples += len(batch["keys"])
-        self.widest = max(self.widest, tuple(batch["input_ids"].shape), key=lambda s: s[0] * s[1])
+        tokens = batch["input_ids"].numel()
+        if tokens > self._widest_tokens:
+            self.packed = "read" in batch
+            width = batch["max_length"] if self.packed else batch["input_ids"].shape[1]
+            self.widest, self._widest_tokens = (len(batch["keys"]), width), tokens
         if step == self._last_step:  # accumulating: no optimizer step yet
             return
         self._last_step, now = step, self._sync()
@@ -98,7 +104,7 @@ class StepStats(L.Callback):
             "real_token_fraction": self.real / self.padded if self.padded else None,
             "mean_row_tokens": self.real / self.rows if self.rows else None,
             "mfu": (self.real / seconds * per_token / peak) if (seconds and peak) else None,
-            "widest_micro_batch": list(self.widest),
+            "widest_micro_batch": list(self.widest), "packed": self.packed,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if cuda else None,
             "compile": compile_stats(),
@@ -173,7 +179,7 @@ def plan(size: str, micro: int, checkpointing: bool, stats: dict, args, cuda: bo
     shape = ModelShape.from_arch(arch, vocab_size=None if isinstance(arch, str) else args.vocab_size)
     rows, width = stats["widest_micro_batch"]
     common = dict(world=1, micro_batch_size=micro, kind="pairwise", precision="bf16-mixed",
-                  activation_checkpointing=checkpointing, compiled=cuda)
+                  activation_checkpointing=checkpointing, compiled=cuda, packing=stats["packed"])
     widest = memory_plan(shape, seq_len=width, **{**common, "micro_batch_size": rows})
     limit = memory_plan(shape, seq_len=args.max_tokens, **common)
     measured = stats["peak_allocated_gib"]

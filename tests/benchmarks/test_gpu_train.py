@@ -27,11 +27,12 @@ def test_without_cuda_the_benchmark_smoke_tests_its_harness():
     assert run["tokens_per_s"] > 0 and 0 < run["real_token_fraction"] <= 1
     assert run["step_seconds_p50"] <= run["step_seconds_p95"]
     assert run["mfu"] is None and run["peak_allocated_gib"] is None  # no GPU: no peak, no CUDA memory
-    rows, width = run["widest_micro_batch"]
-    assert rows == 8 and 0 < width <= 384
+    records, width = run["widest_micro_batch"]  # packed (crm-train's default): its longest record
+    assert run["packed"] and records == 8 and 0 < width <= 384
     assert run["plan"]["at_widest_batch_gib"] <= run["plan"]["at_max_tokens_gib"]
     trl = result["crm_vs_trl"]
     assert "error" not in trl, trl.get("error")
-    assert trl["crm_pointwise"]["samples_per_s"] > 0 and trl["trl_reward_trainer"]["samples_per_s"] > 0
-    assert trl["setup"]["device"] == "cpu" and trl["ratio_crm_over_trl"] > 0
-    assert trl["crm_pairwise"] is None  # left out of the smoke test: the pointwise run's code path
+    assert trl["crm_pointwise"]["samples_per_s"] > 0 and trl["trl"]["samples_per_s"] > 0
+    assert trl["crm_pointwise_packed"]["real_token_fraction"] == 1.0
+    assert trl["setup"]["device"] == "cpu" and trl["ratio_crm_pointwise_over_trl"] > 0
+    assert "crm_pairwise" not in trl  # left out of the smoke test: the pointwise runs' code path
