@@ -35,6 +35,7 @@ from crm.evaluation.accuracy import evaluate_files
 from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark, run_benchmark
 from crm.inference.scorer import CRMScorer
 from crm.models import compile as compiling
+from crm.models import packing as packing_rows
 from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.lora import LoraConfig, base_record, trainable_counts
@@ -171,8 +172,9 @@ def train(cfg: DictConfig) -> dict | None:
     tokenizer = load_or_train_tokenizer(
         run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
-    stream = StreamConfig(**asdict(run.stream), batch_size=micro_batch, mode=run.loss.kind,
-                          seed=run.seed, template=run.template)
+    packing = packing_rows.decide(run.stream.packing, device_type(run.trainer), run.loss.kind)
+    stream = StreamConfig(**{**asdict(run.stream), "packing": packing}, batch_size=micro_batch,
+                          mode=run.loss.kind, seed=run.seed, template=run.template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
                                step_batches=accum)
     parallel = resolve_sharding(run.parallel, run.trainer,
@@ -426,11 +428,13 @@ def run_plan_arguments(train_overrides: list[str]) -> list[str]:
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=list(train_overrides))
     args = [f"model={cfg.model.name}", f"seq_len={cfg.stream.max_tokens}",
-            f"packing={str(cfg.stream.packing).lower()}",
             f"global_batch_size={cfg.global_batch_size}",
             f"max_micro_batch_size={cfg.max_micro_batch_size}", f"kind={cfg.loss.kind}",
             f"sharding={cfg.parallel.sharding}", f"grad_sync={cfg.parallel.grad_sync}",
             f"lora.rank={cfg.lora.rank}", f"lora.target_modules=[{','.join(cfg.lora.target_modules)}]"]
+    # The plan is a GPU run's: packed and compiled unless the run turns them off.
+    if str(cfg.stream.packing).lower() == "false":
+        args.append("packing=false")
     if str(cfg.compile).lower() == "false":
         args.append("compile=false")
     return args

@@ -21,7 +21,7 @@ import random
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -61,7 +61,8 @@ class StreamSettings:
     shuffle_buffer: int = 2048  # records mixed across shard boundaries
     window_batches: int = 32  # length grouping: sort this many batches' worth of records by length
     num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
-    packing: bool = True  # a batch is one row of its records' real tokens (crm.data.packing)
+    packing: Any = "auto"  # auto | true | false: a batch is one row of its records' real tokens
+    # (crm.data.packing); auto is resolved for the run's device by crm.models.packing.decide
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,12 +71,16 @@ class StreamConfig(StreamSettings):
     prompt template."""
 
     batch_size: int  # records per batch on one rank (the micro batch)
+    packing: bool = True  # resolved: the run's choice (a library user's default: packed)
     mode: str = "pairwise"  # pointwise: each record gives a chosen and a rejected row, in one batch
     seed: int = 0
     shuffle: bool = True  # False for validation: a fixed order, epoch 0's draws
     template: PromptTemplate = field(default_factory=PromptTemplate)
 
     def __post_init__(self):
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"stream packing={self.packing!r}: a StreamConfig takes true or false "
+                             "(crm.models.packing.decide resolves auto for a device)")
         if self.mode not in MODES:
             raise ValueError(f"stream mode={self.mode!r}: expected one of {MODES}")
 

@@ -72,6 +72,18 @@ def varlen_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 
 
+def decide(setting, device_type: str, mode: str) -> bool:
+    """`stream.packing` for a `mode` run on `device_type`: auto = where it was measured faster
+    (docs/PERFORMANCE.md section 5): on CUDA, and on CPU for pointwise training, whose criteria +
+    query a pair then computes once. CPU pairwise rows stay padded: length grouping leaves them
+    about 1% padding, and the gathered views cost about as much as that saves."""
+    if setting == "auto":
+        return device_type == "cuda" or mode == "pointwise"
+    if setting in (True, False):
+        return setting
+    raise ValueError(f"stream.packing={setting!r}: expected auto, true or false")
+
+
 def attention_path(device_type: str, branched: bool, dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel for a packed row on `device_type`, with branches (`branched`) or without,
     computed in `dtype` (flash kernels take 16-bit inputs only)."""

@@ -27,8 +27,8 @@ def test_without_cuda_the_benchmark_smoke_tests_its_harness():
     assert run["tokens_per_s"] > 0 and 0 < run["real_token_fraction"] <= 1
     assert run["step_seconds_p50"] <= run["step_seconds_p95"]
     assert run["mfu"] is None and run["peak_allocated_gib"] is None  # no GPU: no peak, no CUDA memory
-    records, width = run["widest_micro_batch"]  # packed (crm-train's default): its longest record
-    assert run["packed"] and records == 8 and 0 < width <= 384
+    records, width = run["widest_micro_batch"]  # CPU pairwise: padded rows (stream.packing=auto)
+    assert not run["packed"] and records == 8 and 0 < width <= 384
     assert run["plan"]["at_widest_batch_gib"] <= run["plan"]["at_max_tokens_gib"]
     trl = result["crm_vs_trl"]
     assert "error" not in trl, trl.get("error")

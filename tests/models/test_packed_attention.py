@@ -113,6 +113,14 @@ def test_flex_attentions_block_mask_keeps_what_the_gathered_views_keep(kind):
     torch.testing.assert_close(flex, gathered, rtol=1e-5, atol=1e-6)
 
 
+def test_auto_packs_where_it_was_measured_faster():
+    assert packing.decide("auto", "cuda", "pairwise") and packing.decide("auto", "cuda", "pointwise")
+    assert packing.decide("auto", "cpu", "pointwise") and not packing.decide("auto", "cpu", "pairwise")
+    assert packing.decide(True, "cpu", "pairwise") and not packing.decide(False, "cuda", "pointwise")
+    with pytest.raises(ValueError, match="stream.packing='yes': expected auto, true or false"):
+        packing.decide("yes", "cpu", "pairwise")
+
+
 def test_one_place_chooses_the_kernel():
     assert packing.attention_path("cpu", branched=False) == "gather"
     assert packing.attention_path("cpu", branched=True) == "gather"

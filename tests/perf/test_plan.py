@@ -480,8 +480,10 @@ def test_crm_plan_network_table_and_recommend(tmp_path, capsys):
     assert "stream.packing=false" in rec_padded["overrides"]
     # launch/train.sbatch plans the run's own stream.packing
     from crm.cli.train import run_plan_arguments
-    assert "packing=true" in run_plan_arguments(["stream.packing=true"])
-    assert "packing=false" in run_plan_arguments([])
+    # a GPU run packs unless it says not to (auto and true plan packed rows, the plan's default)
+    assert not any(a.startswith("packing=") for a in run_plan_arguments([]))
+    assert not any(a.startswith("packing=") for a in run_plan_arguments(["stream.packing=true"]))
+    assert "packing=false" in run_plan_arguments(["stream.packing=false"])
     # crm-train's parallel.timeout_minutes, sized for a checkpoint save of the 8B on 4 nodes
     from crm.perf.memory import process_group_timeout_minutes
     timeout = process_group_timeout_minutes(ModelShape.from_arch("qwen3-8b"), num_nodes=4)
