@@ -4,9 +4,11 @@ pretrained checkpoint loaded into the shards), sharded checkpoints that resume a
 simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
 
 Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
-session in rank 1): Lightning launches rank 1 itself, or, for SLURM, the test starts one process
-per task with SLURM_* variables, as srun would. Runs share one demo data set; the runs several
-tests compare (FSDP, DDP, the one-process reference) run once per module, on first use.
+session in rank 1). Lightning launches rank 1 itself in the DDP run and the run kill -9 stops; the
+other FSDP runs start both ranks at once with LOCAL_RANK set, as torchrun would (8-10 s quicker a
+run than rank 0 starting rank 1, train()); for SLURM the test starts one process per task with
+SLURM_* variables, as srun would. Runs share one demo data set; the runs several tests compare
+(FSDP, DDP, the one-process reference) run once per module, on first use.
 """
 from __future__ import annotations
 
@@ -156,12 +158,25 @@ def probe_report(root: Path, name: str) -> dict:
     return json.loads((root / "probe" / f"probe-{name}.json").read_text())
 
 
-def train(root: Path, name: str, *overrides: str, script: Path | None = None, **env: str) -> Path:
-    """Runs crm-train (or `script` with crm-train's arguments) to the end; the run dir."""
-    proc = Proc(crm_train_cmd(f"name={name}", *overrides, script=script), run_env(root, **env),
-                root / "logs" / f"{name}.log")
-    with cleanup(proc):
-        proc.assert_ok()
+def train(root: Path, name: str, *overrides: str, script: Path | None = None, ranks: int = 1,
+          **env: str) -> Path:
+    """Runs crm-train (or `script` with crm-train's arguments) to the end; the run dir.
+
+    ranks=1: one process; with trainer.devices=2, Lightning's launcher in it starts rank 1 once
+    rank 0 has composed its config (rank 1 imports everything again meanwhile: 8-10 s on the
+    2-core machine). ranks=2: the test starts both ranks at once, each told its LOCAL_RANK, as a
+    launcher that creates the processes (torchrun) does, and Lightning starts none.
+    """
+    cmd, log = crm_train_cmd(f"name={name}", *overrides, script=script), root / "logs" / name
+    if ranks == 1:
+        procs = (Proc(cmd, run_env(root, **env), log.with_suffix(".log")),)
+    else:
+        rendezvous = dict(MASTER_PORT=str(free_port()), NODE_RANK="0", WORLD_SIZE=str(ranks))
+        procs = tuple(Proc(cmd, run_env(root, **rendezvous, LOCAL_RANK=str(rank), **env),
+                           log.with_name(f"{name}-{rank}.log")) for rank in range(ranks))
+    with cleanup(*procs):
+        for proc in procs:
+            proc.assert_ok()
     return root / "outputs" / name
 
 
@@ -268,7 +283,7 @@ class SharedRuns:
 
     @cached_property
     def fsdp(self) -> Path:
-        return train(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"))
+        return train(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"), ranks=2)
 
     @cached_property
     def ddp(self) -> Path:
@@ -346,7 +361,7 @@ def test_fsdp_from_a_pretrained_checkpoint_trains_as_one_process(root, base_chec
     # Each FSDP rank reads its slices into its shards and draws the fresh head one process draws.
     steps = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=1000",
              f"model.path={base_checkpoint}"]
-    fsdp = train(root, "fsdp_pretrained", *FSDP, *steps)
+    fsdp = train(root, "fsdp_pretrained", *FSDP, *steps, ranks=2)
     reference = train(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8",
                       *steps, script=REFERENCE)
     (f_train, f_val), (r_train, r_val) = curves(fsdp), curves(reference)
@@ -536,7 +551,8 @@ def test_hsdp_checkpoints_resume_under_fsdp_at_world_2_and_back(root, hsdp):
     # HSDP 2x2 -> FSDP 2 ranks (accumulation 2) through its epoch; then FSDP -> HSDP for one step.
     fsdp = train(root, "fsdp_from_hsdp", *FSDP, "micro_batch_size=4", "global_batch_size=16",
                  f"resume={hsdp / 'checkpoints' / 'last.ckpt'}", f"trainer.max_steps={2 * EPOCH_STEPS}",
-                 "val_every_n_steps=10", f"save_every_n_steps={EPOCH_STEPS}", *probe("fsdp_from_hsdp"))
+                 "val_every_n_steps=10", f"save_every_n_steps={EPOCH_STEPS}", *probe("fsdp_from_hsdp"),
+                 ranks=2)
     saved, loaded = probe_report(root, "4242"), probe_report(root, "fsdp_from_hsdp")
     assert_same_state(loaded["start"], saved["end"])
     m = metrics(fsdp)["train"]
@@ -553,7 +569,7 @@ def test_hsdp_checkpoints_resume_under_fsdp_at_world_2_and_back(root, hsdp):
     best_step = checkpoint_meta(best)["global_step"]
     from_best = train(root, "fsdp_from_best", *FSDP, "micro_batch_size=4", "global_batch_size=16",
                       f"resume={best}", f"trainer.max_steps={best_step + 1}",
-                      "val_every_n_steps=1000", "save_every_n_steps=1000", "export=false")
+                      "val_every_n_steps=1000", "save_every_n_steps=1000", "export=false", ranks=2)
     assert metrics(from_best)["train"]["resumed_from"] == str(best)
     assert metrics(from_best)["train"]["global_step"] == best_step + 1
 
@@ -787,7 +803,7 @@ def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, ru
     killed_rows = len(logged(run_dir, "train/loss"))
     assert killed_rows > resume_step  # the killed run had trained past its checkpoint
 
-    rerun = train(root, name, *FSDP, *CURVE)
+    rerun = train(root, name, *FSDP, *CURVE, ranks=2)
     m = metrics(rerun)["train"]
     assert m["global_step"] == 30 and m["resumed_from"] == expected
     assert checkpoint_meta(last)["global_step"] == 30  # rewritten by the rerun
