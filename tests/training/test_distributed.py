@@ -4,11 +4,11 @@ pretrained checkpoint loaded into the shards), sharded checkpoints that resume a
 simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
 
 Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
-session in rank 1). Lightning launches rank 1 itself in the DDP run and the run kill -9 stops; the
-other FSDP runs start both ranks at once with LOCAL_RANK set, as torchrun would (8-10 s quicker a
-run than rank 0 starting rank 1, train()); for SLURM the test starts one process per task with
-SLURM_* variables, as srun would. Runs share one demo data set; the runs several tests compare
-(FSDP, DDP, the one-process reference) run once per module, on first use.
+session in rank 1). Lightning launches rank 1 itself in the DDP run; the FSDP runs start both ranks
+at once with LOCAL_RANK set, as torchrun would (8-10 s quicker a run than rank 0 starting rank 1,
+train()); for SLURM the test starts one process per task with SLURM_* variables, as srun would.
+Runs share one demo data set; the runs several tests compare (FSDP, DDP, the one-process
+reference) run once per module, on first use.
 """
 from __future__ import annotations
 
@@ -167,17 +167,34 @@ def train(root: Path, name: str, *overrides: str, script: Path | None = None, ra
     2-core machine). ranks=2: the test starts both ranks at once, each told its LOCAL_RANK, as a
     launcher that creates the processes (torchrun) does, and Lightning starts none.
     """
-    cmd, log = crm_train_cmd(f"name={name}", *overrides, script=script), root / "logs" / name
-    if ranks == 1:
-        procs = (Proc(cmd, run_env(root, **env), log.with_suffix(".log")),)
-    else:
-        rendezvous = dict(MASTER_PORT=str(free_port()), NODE_RANK="0", WORLD_SIZE=str(ranks))
-        procs = tuple(Proc(cmd, run_env(root, **rendezvous, LOCAL_RANK=str(rank), **env),
-                           log.with_name(f"{name}-{rank}.log")) for rank in range(ranks))
+    (run_dir,) = finish(begin(root, name, *overrides, script=script, ranks=ranks, **env))
+    return run_dir
+
+
+def begin(root: Path, name: str, *overrides: str, script: Path | None = None, ranks: int = 1,
+          **env: str) -> tuple[Path, tuple[Proc, ...]]:
+    """train()'s run started: (its run dir, its processes), for finish()."""
+    cmd = crm_train_cmd(f"name={name}", *overrides, script=script)
+    return root / "outputs" / name, start(root, name, cmd, ranks, **env)
+
+
+def finish(*started: tuple[Path, tuple[Proc, ...]]) -> list[Path]:
+    """Waits for runs begun together, each to its end; their run dirs. A one-process run beside a
+    2-rank one takes the core the ranks leave idle (start-up, waits in collectives)."""
+    procs = [proc for _, run_procs in started for proc in run_procs]
     with cleanup(*procs):
         for proc in procs:
             proc.assert_ok()
-    return root / "outputs" / name
+    return [run_dir for run_dir, _ in started]
+
+
+def start(root: Path, tag: str, cmd: list[str], ranks: int = 1, **env: str) -> tuple[Proc, ...]:
+    """`cmd` started as train() starts it: one process, or `ranks` at once (rank 0 first)."""
+    if ranks == 1:
+        return (Proc(cmd, run_env(root, **env), root / "logs" / f"{tag}.log"),)
+    rendezvous = dict(MASTER_PORT=str(free_port()), NODE_RANK="0", WORLD_SIZE=str(ranks))
+    return tuple(Proc(cmd, run_env(root, **rendezvous, LOCAL_RANK=str(rank), **env),
+                      root / "logs" / f"{tag}-{rank}.log") for rank in range(ranks))
 
 
 def wait_for(predicate, procs: tuple[Proc, ...], timeout: float, what: str, interval=0.02):
@@ -276,14 +293,19 @@ def root(tmp_path_factory) -> Path:
 
 
 class SharedRuns:
-    """The 30-step runs several tests compare, each run on first use."""
+    """The 30-step runs several tests compare, each run on first use (the FSDP run's with the
+    one-process reference beside it)."""
 
     def __init__(self, root: Path):
         self.root = root
 
     @cached_property
     def fsdp(self) -> Path:
-        return train(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"), ranks=2)
+        fsdp = begin(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"), ranks=2)
+        if "reference" in self.__dict__:
+            return finish(fsdp)[0]
+        fsdp, self.reference = finish(fsdp, self._reference())
+        return fsdp
 
     @cached_property
     def ddp(self) -> Path:
@@ -291,8 +313,11 @@ class SharedRuns:
 
     @cached_property
     def reference(self) -> Path:
+        return finish(self._reference())[0]
+
+    def _reference(self):
         """One process; step k trains on rank 0's + rank 1's batch k of the 2-rank runs."""
-        return train(self.root, "reference", "micro_batch_size=8", "global_batch_size=8", *CURVE,
+        return begin(self.root, "reference", "micro_batch_size=8", "global_batch_size=8", *CURVE,
                      script=REFERENCE)
 
 
@@ -361,9 +386,10 @@ def test_fsdp_from_a_pretrained_checkpoint_trains_as_one_process(root, base_chec
     # Each FSDP rank reads its slices into its shards and draws the fresh head one process draws.
     steps = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=1000",
              f"model.path={base_checkpoint}"]
-    fsdp = train(root, "fsdp_pretrained", *FSDP, *steps, ranks=2)
-    reference = train(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8",
-                      *steps, script=REFERENCE)
+    fsdp, reference = finish(
+        begin(root, "fsdp_pretrained", *FSDP, *steps, ranks=2),
+        begin(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8", *steps,
+              script=REFERENCE))
     (f_train, f_val), (r_train, r_val) = curves(fsdp), curves(reference)
     assert sorted(f_train) == list(range(1, 7))
     figures = {"train": max_diff(f_train, r_train), "val": max_diff(f_val, r_val)}
@@ -784,15 +810,16 @@ def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, ru
     run_dir = root / "outputs" / name
     ckpts = run_dir / "checkpoints"
     last, partial = ckpts / "last.ckpt", ckpts / "last.ckpt.partial"
-    proc = Proc(crm_train_cmd(f"name={name}", *FSDP, *CURVE), run_env(root),
-                root / "logs" / f"{name}-killed.log")
-    with cleanup(proc):
-        wait_for(lambda: is_complete_checkpoint(last), (proc,), RUN_TIMEOUT, "first last.ckpt")
+    procs = start(root, f"{name}-killed", crm_train_cmd(f"name={name}", *FSDP, *CURVE), ranks=2)
+    with cleanup(*procs):
+        wait_for(lambda: is_complete_checkpoint(last), procs, RUN_TIMEOUT, "first last.ckpt")
         # Then kill both ranks while the next checkpoint is being written (.partial exists).
-        wait_for(partial.exists, (proc,), RUN_TIMEOUT, "a second checkpoint save", interval=0.002)
-        proc.signal(signal.SIGKILL, group=True)
-        proc.wait()
-    assert proc.popen.returncode == -signal.SIGKILL
+        wait_for(partial.exists, procs, RUN_TIMEOUT, "a second checkpoint save", interval=0.002)
+        for proc in procs:
+            proc.signal(signal.SIGKILL, group=True)
+        for proc in procs:
+            proc.wait()
+    assert procs[0].popen.returncode == -signal.SIGKILL
     assert not (run_dir / "metrics.json").exists()
     left = {p.name: is_complete_checkpoint(p) for p in ckpts.glob("last.ckpt*")}
     # last.ckpt (or, killed between the swap's two renames, a complete .partial or .old)
