@@ -64,10 +64,13 @@ SMALL = [*DATA, "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2",
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
         "parallel.param_dtype=float32", "micro_batch_size=4", "global_batch_size=8"]
 DDP = ["trainer=ddp", "micro_batch_size=4", "global_batch_size=8"]
-# The shared 30-step runs: validation every 3 steps (val/loss at 3, 6, ..., 30), checkpoints every 5.
-CURVE = ["trainer.max_steps=30", "val_every_n_steps=3", "save_every_n_steps=5"]
+# The shared 20-step runs: validation every 4 steps (val/loss at 4, 8, ..., 20), checkpoints every 5.
+# Their micro batches include one rank's emptied and the other's not (steps 1, 8, 11, 13) and both
+# ranks' emptied (step 18: a step of no example).
+STEPS = 20
+CURVE = [f"trainer.max_steps={STEPS}", "val_every_n_steps=4", "save_every_n_steps=5"]
 
-LOSS_ATOL = 2e-5  # fp32, 30 steps at lr 3e-3: FSDP vs DDP vs one process (measured <= 1e-5)
+LOSS_ATOL = 2e-5  # fp32 at lr 3e-3: FSDP vs DDP vs one process (measured <= 1e-5 over 30 steps)
 LOGIT_ATOL = 3e-5  # their exported models' logits (measured <= 7e-6)
 
 
@@ -293,7 +296,7 @@ def root(tmp_path_factory) -> Path:
 
 
 class SharedRuns:
-    """The 30-step runs several tests compare, each run on first use (the FSDP run's with the
+    """The 20-step runs several tests compare, each run on first use (the FSDP run's with the
     one-process reference beside it)."""
 
     def __init__(self, root: Path):
@@ -351,12 +354,12 @@ def test_fsdp_shards_parameters_and_optimizer_states(runs):
 def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     (f_train, f_val), (d_train, d_val), (r_train, r_val) = (
         curves(r) for r in (runs.fsdp, runs.ddp, runs.reference))
-    assert sorted(f_train) == list(range(1, 31)) and sorted(f_val) == list(range(3, 31, 3))
+    assert sorted(f_train) == list(range(1, STEPS + 1)) and sorted(f_val) == list(range(4, STEPS + 1, 4))
     assert max(f_train.values()) - min(f_train.values()) > 0.1  # the model trains (the curve moves)
     figures = {"fsdp-ddp train": max_diff(f_train, d_train), "fsdp-ddp val": max_diff(f_val, d_val),
                "ddp-one train": max_diff(d_train, r_train), "ddp-one val": max_diff(d_val, r_val),
                "fsdp-one train": max_diff(f_train, r_train), "fsdp-one val": max_diff(f_val, r_val)}
-    print("max |loss difference| over 30 steps:", {k: f"{v:.2e}" for k, v in figures.items()})
+    print(f"max |loss difference| over {STEPS} steps:", {k: f"{v:.2e}" for k, v in figures.items()})
     for name, diff in figures.items():
         assert diff <= LOSS_ATOL, (name, diff)
     # The first steps agree far more closely: differences are rounding, amplified by training.
@@ -366,12 +369,13 @@ def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     dropped = logged(runs.fsdp, "data/dropped")
     assert dropped and dropped[-1][1] > 0
     rank0, rank1 = probe_report(runs.root, "fsdp")["examples"]
-    assert len(rank0) == len(rank1) == 30 and max(rank0 + rank1) == RANK_BATCH
+    assert len(rank0) == len(rank1) == STEPS and max(rank0 + rank1) == RANK_BATCH
     assert any(min(a, b) == 0 < max(a, b) for a, b in zip(rank0, rank1)), (rank0, rank1)
+    assert any(a == b == 0 for a, b in zip(rank0, rank1)), (rank0, rank1)  # a step of no example
     # Same data: the runs saw the same number of records at every step.
     for run in (runs.fsdp, runs.ddp):
         state = stream_state(checkpoint_meta(run / "checkpoints" / "last.ckpt"))
-        assert batches_consumed(state, world=2) == 30
+        assert batches_consumed(state, world=2) == STEPS
 
 
 # -- 2b. pretrained weights loaded into the shards ------------------------------------------------
@@ -448,14 +452,14 @@ def test_fsdp_checkpoints_export_consolidated_to_plain_transformers(runs, tmp_pa
                            str(out)], env=run_env(tmp_path), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "crm.json").read_text())["global_step"] == 30
+    assert json.loads((out / "crm.json").read_text())["global_step"] == STEPS
     export_checkpoint(runs.reference / "checkpoints" / "last.ckpt", tmp_path / "reference_last")
     export_checkpoint(runs.ddp / "checkpoints" / "last.ckpt", tmp_path / "ddp_last")
     for name in ("fsdp_last", "reference_last", "ddp_last"):
         logits[name] = export_logits(tmp_path / name)
 
     assert logits["fsdp"].shape == (3, 2)
-    if steps["fsdp"] != 30:  # other weights give other logits: the comparisons below can fail
+    if steps["fsdp"] != STEPS:  # other weights give other logits: the comparisons below can fail
         assert (logits["fsdp"] - logits["fsdp_last"]).abs().max() > 1e-4
     figures = {pair: (logits[pair[0]] - logits[pair[1]]).abs().max().item() for pair in [
         ("fsdp", "reference"), ("fsdp", "ddp"), ("ddp", "reference"),
@@ -826,24 +830,24 @@ def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, ru
     expected = resolve_resume("auto", run_dir)
     assert expected is not None, left
     resume_step = checkpoint_meta(expected)["global_step"]
-    assert resume_step in (5, 10, 15, 20, 25), resume_step
+    assert resume_step in range(5, STEPS, 5), resume_step
     killed_rows = len(logged(run_dir, "train/loss"))
     assert killed_rows > resume_step  # the killed run had trained past its checkpoint
 
     rerun = train(root, name, *FSDP, *CURVE, ranks=2)
     m = metrics(rerun)["train"]
-    assert m["global_step"] == 30 and m["resumed_from"] == expected
-    assert checkpoint_meta(last)["global_step"] == 30  # rewritten by the rerun
+    assert m["global_step"] == STEPS and m["resumed_from"] == expected
+    assert checkpoint_meta(last)["global_step"] == STEPS  # rewritten by the rerun
     assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # per rank
-    assert batches_consumed(stream_state(checkpoint_meta(last)), world=2) == 30
+    assert batches_consumed(stream_state(checkpoint_meta(last)), world=2) == STEPS
     assert not partial.exists() and not (ckpts / "last.ckpt.old").exists()
     rerun_steps = [step for step, _ in logged(rerun, "train/loss")[killed_rows:]]
-    assert rerun_steps == list(range(resume_step + 1, 31))  # from the step after its checkpoint
+    assert rerun_steps == list(range(resume_step + 1, STEPS + 1))  # from the step after its checkpoint
     # The whole curve (the killed run's steps, then the rerun's) is the uninterrupted run's.
     resumed_train, resumed_val = curves(rerun)
     full_train, full_val = curves(runs.fsdp)
     train_diff, val_diff = max_diff(resumed_train, full_train), max_diff(resumed_val, full_val)
     print(f"killed after {killed_rows} logged steps, mid-save (checkpoints left: {left}); resumed "
           f"from step {resume_step}: max |train/loss diff| {train_diff:.2e}, "
-          f"|val/loss diff| at 30 {abs(resumed_val[30] - full_val[30]):.2e}")
+          f"|val/loss diff| at {STEPS} {abs(resumed_val[STEPS] - full_val[STEPS]):.2e}")
     assert train_diff <= 1e-6 and val_diff <= 1e-6
