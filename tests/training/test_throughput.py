@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from functools import partial
@@ -202,34 +201,14 @@ DDP_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow  # two processes: 10-25 s on the 2-core machine
 def test_ddp_figures_are_global(tmp_path):
-    from helpers import free_port  # here: DDP_SCRIPT imports this module without tests/ on its path
+    from helpers import assert_ranks_ok, run_ranks  # here: DDP_SCRIPT imports this module alone
 
-    # Both ranks started at once, each told its LOCAL_RANK (as torchrun would): Lightning starts
-    # none, where rank 0 would otherwise start rank 1 only after its own imports.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env.update(PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               NODE_RANK="0", WORLD_SIZE="2")
     script = tmp_path / "ddp_throughput.py"
     script.write_text(DDP_SCRIPT)
-    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
-    procs = []
-    try:
-        for rank, log in enumerate(logs):
-            with open(log, "wb") as out:  # a file, not a pipe that could fill and stall a rank
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(script), str(Path(__file__).parent)], cwd=tmp_path,
-                    env={**env, "LOCAL_RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL))
-        for proc in procs:
-            proc.wait(timeout=300)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log.read_text(errors="replace")[-3000:]
+    # Both ranks started at once (Lightning starts none), not rank 1 after rank 0's imports.
+    assert_ranks_ok(run_ranks([sys.executable, str(script), str(Path(__file__).parent)],
+                              {**os.environ, "PYTHONWARNINGS": "ignore"}, tmp_path / "logs",
+                              timeout=300, cwd=tmp_path))
     results = {rank: json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1)}
     # Both ranks: 2 steps x 0.5 s; real tokens 2 x (25 + 9), padded 2 x (36 + 9), 2 x (4 + 3) rows.
     for last in results.values():
