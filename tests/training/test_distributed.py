@@ -4,11 +4,11 @@ pretrained checkpoint loaded into the shards), sharded checkpoints that resume a
 simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
 
 Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
-session in rank 1). Lightning launches rank 1 itself in the DDP run; the FSDP runs start both ranks
-at once with LOCAL_RANK set, as torchrun would (8-10 s quicker a run than rank 0 starting rank 1,
-train()); for SLURM the test starts one process per task with SLURM_* variables, as srun would.
-Runs share one demo data set; the runs several tests compare (FSDP, DDP, the one-process
-reference) run once per module, on first use.
+session in rank 1). The test starts both ranks of a run at once with LOCAL_RANK set, as torchrun
+would (8-10 s quicker a run than Lightning's launcher in rank 0 starting rank 1, which
+tests/training/test_lora.py's FSDP run goes through); for SLURM it starts one process per task with
+SLURM_* variables, as srun would. Runs share one demo data set; the runs several tests compare
+(FSDP, DDP, the one-process reference) run once per module, on first use.
 """
 from __future__ import annotations
 
@@ -165,10 +165,10 @@ def train(root: Path, name: str, *overrides: str, script: Path | None = None, ra
           **env: str) -> Path:
     """Runs crm-train (or `script` with crm-train's arguments) to the end; the run dir.
 
-    ranks=1: one process; with trainer.devices=2, Lightning's launcher in it starts rank 1 once
-    rank 0 has composed its config (rank 1 imports everything again meanwhile: 8-10 s on the
-    2-core machine). ranks=2: the test starts both ranks at once, each told its LOCAL_RANK, as a
-    launcher that creates the processes (torchrun) does, and Lightning starts none.
+    ranks=1: one process (with trainer.devices=2, Lightning's launcher in it would start rank 1
+    once rank 0 has composed its config, rank 1 importing everything again meanwhile: 8-10 s on
+    the 2-core machine). ranks=2: both ranks at once, each told its LOCAL_RANK, as a launcher that
+    creates the processes (torchrun) starts them; Lightning starts none.
     """
     (run_dir,) = finish(begin(root, name, *overrides, script=script, ranks=ranks, **env))
     return run_dir
@@ -312,7 +312,7 @@ class SharedRuns:
 
     @cached_property
     def ddp(self) -> Path:
-        return train(self.root, "ddp", *DDP, *CURVE)
+        return train(self.root, "ddp", *DDP, *CURVE, ranks=2)
 
     @cached_property
     def reference(self) -> Path:

@@ -4,8 +4,9 @@ One process (train(cfg) in this process): only adapters and head train and only 
 and a single-file checkpoint resumes to the uninterrupted curve;
 the merged export scores as the LoRA model does and plain transformers loads it with its labels;
 the adapter export (peft's form) scores the same through CRMScorer and CRMReward; a changed base
-and bad settings are refused in one line. Two FSDP2 processes (crm-train subprocesses, as
-tests/training/test_distributed.py runs them): the meta-device sharded load, frozen bf16 base
+and bad settings are refused in one line. Two FSDP2 processes (crm-train subprocesses: the
+uninterrupted run's rank 0 starts rank 1 through Lightning's launcher, the suite's one crm-train run
+that does; the resumed run's ranks start at once): the meta-device sharded load, frozen bf16 base
 and fp32 adapters in one sharded unit, a sharded LoRA checkpoint that resumes to the uninterrupted
 curve, and its merged export.
 """
