@@ -16,8 +16,7 @@ RewardTrainer is; same architecture, initial weights, rendered pairs, batch and 
 checkpointing off in both, TRL's default being on; a process per run, runs alternating).
 
 Without CUDA it runs the tiny model for a few steps, eagerly, as a smoke test of this harness (the
-test suite runs it), part 2 beside part 1; its figures are not GPU figures and the JSON says
-`"device": "cpu"`.
+test suite runs it); its figures are not GPU figures and the JSON says `"device": "cpu"`.
 
     python benchmarks/gpu_train.py [--sizes qwen3-0.6b:16:off,qwen3-1.7b:8:off,qwen3-4b:8:on]
                                    [--steps 40] [--warmup 10] [--records 4000] [--skip-trl]
@@ -177,8 +176,8 @@ def plan(size: str, micro: int, checkpointing: bool, stats: dict, args, cuda: bo
             "error_at_widest": None if not measured else widest["total_gib"] / measured - 1}
 
 
-def start_crm_vs_trl(args, cuda: bool) -> subprocess.Popen:
-    """benchmarks/train_vs_trl.py at equal memory (gradient checkpointing off in both), started."""
+def crm_vs_trl(args, cuda: bool) -> dict:
+    """benchmarks/train_vs_trl.py at equal memory (gradient checkpointing off in both)."""
     command = [sys.executable, str(HERE / "train_vs_trl.py"), "--rounds", str(args.trl_rounds),
                "--steps", str(args.trl_steps)]
     if cuda:
@@ -186,15 +185,10 @@ def start_crm_vs_trl(args, cuda: bool) -> subprocess.Popen:
                     "--max-tokens", str(args.max_tokens), "--vocab-size", str(args.vocab_size)]
     else:
         command += ["--batch-size", "8", "--n-train", "300", "--max-tokens", "256", "--skip-pairwise"]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def crm_vs_trl(started: subprocess.Popen) -> dict:
-    """Its JSON, once it ends."""
-    out, err = started.communicate()
-    if started.returncode:
-        return {"error": err[-3000:]}
-    return json.loads(out)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        return {"error": done.stderr[-3000:]}
+    return json.loads(done.stdout)
 
 
 def main() -> None:
@@ -222,25 +216,15 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "settings": {k: v for k, v in vars(args).items()}}
-    # Without CUDA the figures measure nothing (the smoke test), so the comparison runs beside the
-    # crm-train runs: on 2 cores their start-ups (single-threaded imports) overlap, 20-25 s sooner.
-    # On a GPU each part has the machine to itself.
-    trl = start_crm_vs_trl(args, cuda) if not (args.skip_trl or cuda) else None
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            data_dir = prepare(Path(tmp), args.records, args.vocab_size, *((300, 700) if cuda else (20, 60)))
-            runs = []
-            for spec in args.sizes.split(","):
-                size, micro, ckpt = spec.split(":")
-                runs.append(crm_train(size, int(micro), ckpt == "on", data_dir, args, cuda))
-            result["crm_train"] = runs
-    except BaseException:
-        if trl:
-            trl.kill()
-            trl.wait()
-        raise
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = prepare(Path(tmp), args.records, args.vocab_size, *((300, 700) if cuda else (20, 60)))
+        runs = []
+        for spec in args.sizes.split(","):
+            size, micro, ckpt = spec.split(":")
+            runs.append(crm_train(size, int(micro), ckpt == "on", data_dir, args, cuda))
+        result["crm_train"] = runs
     if not args.skip_trl:
-        result["crm_vs_trl"] = crm_vs_trl(trl or start_crm_vs_trl(args, cuda))
+        result["crm_vs_trl"] = crm_vs_trl(args, cuda)
     print(json.dumps(result, indent=1))
 
 
