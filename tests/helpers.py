@@ -158,3 +158,49 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks(cmd: list[str], env: dict, log_dir: Path, ranks: int = 2, timeout: float = 240,
+              cwd: Path | None = None) -> list[tuple[int, str]]:
+    """`cmd` as `ranks` processes started at once on loopback, each told its RANK and LOCAL_RANK,
+    WORLD_SIZE and a free MASTER_PORT, as torchrun tells its workers (torch.distributed's env://
+    reads them; Lightning, seeing LOCAL_RANK, starts no process itself), without torchrun's own
+    process starting first. Waits for every rank; [(exit status, output)] by rank. Output goes to
+    files (log_dir/rank<N>.log): a rank blocked on a full pipe would stall the other in a
+    collective. A rank still running at the timeout is killed, with its session."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    env = {k: v for k, v in env.items()
+           if not k.startswith(("SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0",
+               WORLD_SIZE=str(ranks))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logs = [log_dir / f"rank{rank}.log" for rank in range(ranks)]
+    procs = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(
+                    cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=cwd,
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [(proc.returncode, log.read_text(errors="replace")) for proc, log in zip(procs, logs)]
+
+
+def assert_ranks_ok(results: list[tuple[int, str]]) -> None:
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{output[-4000:]}"

@@ -3,18 +3,18 @@
 The checkpoints are tiny random Qwen3s written with save_pretrained: a sequence classifier, a
 causal LM (a base model: no classification head, an lm_head that is not read), one with a head of
 another size, one in bfloat16, one in several safetensors files. The sharded load runs at world 2
-in a torchrun subprocess (tests/dist/load_sharded.py) and is compared with plain transformers in
-this process.
+in 2 processes started as torchrun starts them (tests/dist/load_sharded.py) and is compared with
+plain transformers in this process.
 """
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_ranks_ok, run_ranks
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForSequenceClassification, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3ForSequenceClassification)
@@ -157,12 +157,10 @@ def test_on_the_meta_device_nothing_is_read(checkpoints):
 def test_sharded_load_at_world_2_gives_the_logits_of_a_plain_load(checkpoints, tmp_path):
     save_file(batch(), tmp_path / "batch.safetensors")
     names = ["classifier", "several_files", "causal_lm", "bf16"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SHARDED), str(tmp_path / "batch.safetensors"), str(tmp_path),
+    cmd = [sys.executable, str(SHARDED), str(tmp_path / "batch.safetensors"), str(tmp_path),
            *(str(checkpoints[name]) for name in names)]
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert_ranks_ok(run_ranks(cmd, env, tmp_path / "logs"))  # as torchrun starts 2 workers
     out = {name: load_file(tmp_path / f"{checkpoints[name].name}.safetensors") for name in names}
 
     reference = plain(checkpoints["classifier"])

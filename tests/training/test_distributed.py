@@ -4,9 +4,11 @@ pretrained checkpoint loaded into the shards), sharded checkpoints that resume a
 simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
 
 Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
-session in rank 1): Lightning launches rank 1 itself, or, for SLURM, the test starts one process
-per task with SLURM_* variables, as srun would. Runs share one demo data set; the runs several
-tests compare (FSDP, DDP, the one-process reference) run once per module, on first use.
+session in rank 1). The test starts both ranks of a run at once with LOCAL_RANK set, as torchrun
+would (8-10 s quicker a run than Lightning's launcher in rank 0 starting rank 1, which
+tests/training/test_lora.py's FSDP run goes through); for SLURM it starts one process per task with
+SLURM_* variables, as srun would. Runs share one demo data set; the runs several tests compare
+(FSDP, DDP, the one-process reference) run once per module, on first use.
 """
 from __future__ import annotations
 
@@ -62,10 +64,13 @@ SMALL = [*DATA, "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2",
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
         "parallel.param_dtype=float32", "micro_batch_size=4", "global_batch_size=8"]
 DDP = ["trainer=ddp", "micro_batch_size=4", "global_batch_size=8"]
-# The shared 30-step runs: validation every 3 steps (val/loss at 3, 6, ..., 30), checkpoints every 5.
-CURVE = ["trainer.max_steps=30", "val_every_n_steps=3", "save_every_n_steps=5"]
+# The shared 20-step runs: validation every 4 steps (val/loss at 4, 8, ..., 20), checkpoints every 5.
+# Their micro batches include one rank's emptied and the other's not (steps 1, 8, 11, 13) and both
+# ranks' emptied (step 18: a step of no example).
+STEPS = 20
+CURVE = [f"trainer.max_steps={STEPS}", "val_every_n_steps=4", "save_every_n_steps=5"]
 
-LOSS_ATOL = 2e-5  # fp32, 30 steps at lr 3e-3: FSDP vs DDP vs one process (measured <= 1e-5)
+LOSS_ATOL = 2e-5  # fp32 at lr 3e-3: FSDP vs DDP vs one process (measured <= 1e-5 over 30 steps)
 LOGIT_ATOL = 3e-5  # their exported models' logits (measured <= 7e-6)
 
 
@@ -156,13 +161,43 @@ def probe_report(root: Path, name: str) -> dict:
     return json.loads((root / "probe" / f"probe-{name}.json").read_text())
 
 
-def train(root: Path, name: str, *overrides: str, script: Path | None = None, **env: str) -> Path:
-    """Runs crm-train (or `script` with crm-train's arguments) to the end; the run dir."""
-    proc = Proc(crm_train_cmd(f"name={name}", *overrides, script=script), run_env(root, **env),
-                root / "logs" / f"{name}.log")
-    with cleanup(proc):
-        proc.assert_ok()
-    return root / "outputs" / name
+def train(root: Path, name: str, *overrides: str, script: Path | None = None, ranks: int = 1,
+          **env: str) -> Path:
+    """Runs crm-train (or `script` with crm-train's arguments) to the end; the run dir.
+
+    ranks=1: one process (with trainer.devices=2, Lightning's launcher in it would start rank 1
+    once rank 0 has composed its config, rank 1 importing everything again meanwhile: 8-10 s on
+    the 2-core machine). ranks=2: both ranks at once, each told its LOCAL_RANK, as a launcher that
+    creates the processes (torchrun) starts them; Lightning starts none.
+    """
+    (run_dir,) = finish(begin(root, name, *overrides, script=script, ranks=ranks, **env))
+    return run_dir
+
+
+def begin(root: Path, name: str, *overrides: str, script: Path | None = None, ranks: int = 1,
+          **env: str) -> tuple[Path, tuple[Proc, ...]]:
+    """train()'s run started: (its run dir, its processes), for finish()."""
+    cmd = crm_train_cmd(f"name={name}", *overrides, script=script)
+    return root / "outputs" / name, start(root, name, cmd, ranks, **env)
+
+
+def finish(*started: tuple[Path, tuple[Proc, ...]]) -> list[Path]:
+    """Waits for runs begun together, each to its end; their run dirs. A one-process run beside a
+    2-rank one takes the core the ranks leave idle (start-up, waits in collectives)."""
+    procs = [proc for _, run_procs in started for proc in run_procs]
+    with cleanup(*procs):
+        for proc in procs:
+            proc.assert_ok()
+    return [run_dir for run_dir, _ in started]
+
+
+def start(root: Path, tag: str, cmd: list[str], ranks: int = 1, **env: str) -> tuple[Proc, ...]:
+    """`cmd` started as train() starts it: one process, or `ranks` at once (rank 0 first)."""
+    if ranks == 1:
+        return (Proc(cmd, run_env(root, **env), root / "logs" / f"{tag}.log"),)
+    rendezvous = dict(MASTER_PORT=str(free_port()), NODE_RANK="0", WORLD_SIZE=str(ranks))
+    return tuple(Proc(cmd, run_env(root, **rendezvous, LOCAL_RANK=str(rank), **env),
+                      root / "logs" / f"{tag}-{rank}.log") for rank in range(ranks))
 
 
 def wait_for(predicate, procs: tuple[Proc, ...], timeout: float, what: str, interval=0.02):
@@ -261,23 +296,31 @@ def root(tmp_path_factory) -> Path:
 
 
 class SharedRuns:
-    """The 30-step runs several tests compare, each run on first use."""
+    """The 20-step runs several tests compare, each run on first use (the FSDP run's with the
+    one-process reference beside it)."""
 
     def __init__(self, root: Path):
         self.root = root
 
     @cached_property
     def fsdp(self) -> Path:
-        return train(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"))
+        fsdp = begin(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"), ranks=2)
+        if "reference" in self.__dict__:
+            return finish(fsdp)[0]
+        fsdp, self.reference = finish(fsdp, self._reference())
+        return fsdp
 
     @cached_property
     def ddp(self) -> Path:
-        return train(self.root, "ddp", *DDP, *CURVE)
+        return train(self.root, "ddp", *DDP, *CURVE, ranks=2)
 
     @cached_property
     def reference(self) -> Path:
+        return finish(self._reference())[0]
+
+    def _reference(self):
         """One process; step k trains on rank 0's + rank 1's batch k of the 2-rank runs."""
-        return train(self.root, "reference", "micro_batch_size=8", "global_batch_size=8", *CURVE,
+        return begin(self.root, "reference", "micro_batch_size=8", "global_batch_size=8", *CURVE,
                      script=REFERENCE)
 
 
@@ -311,12 +354,12 @@ def test_fsdp_shards_parameters_and_optimizer_states(runs):
 def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     (f_train, f_val), (d_train, d_val), (r_train, r_val) = (
         curves(r) for r in (runs.fsdp, runs.ddp, runs.reference))
-    assert sorted(f_train) == list(range(1, 31)) and sorted(f_val) == list(range(3, 31, 3))
+    assert sorted(f_train) == list(range(1, STEPS + 1)) and sorted(f_val) == list(range(4, STEPS + 1, 4))
     assert max(f_train.values()) - min(f_train.values()) > 0.1  # the model trains (the curve moves)
     figures = {"fsdp-ddp train": max_diff(f_train, d_train), "fsdp-ddp val": max_diff(f_val, d_val),
                "ddp-one train": max_diff(d_train, r_train), "ddp-one val": max_diff(d_val, r_val),
                "fsdp-one train": max_diff(f_train, r_train), "fsdp-one val": max_diff(f_val, r_val)}
-    print("max |loss difference| over 30 steps:", {k: f"{v:.2e}" for k, v in figures.items()})
+    print(f"max |loss difference| over {STEPS} steps:", {k: f"{v:.2e}" for k, v in figures.items()})
     for name, diff in figures.items():
         assert diff <= LOSS_ATOL, (name, diff)
     # The first steps agree far more closely: differences are rounding, amplified by training.
@@ -326,12 +369,13 @@ def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     dropped = logged(runs.fsdp, "data/dropped")
     assert dropped and dropped[-1][1] > 0
     rank0, rank1 = probe_report(runs.root, "fsdp")["examples"]
-    assert len(rank0) == len(rank1) == 30 and max(rank0 + rank1) == RANK_BATCH
+    assert len(rank0) == len(rank1) == STEPS and max(rank0 + rank1) == RANK_BATCH
     assert any(min(a, b) == 0 < max(a, b) for a, b in zip(rank0, rank1)), (rank0, rank1)
+    assert any(a == b == 0 for a, b in zip(rank0, rank1)), (rank0, rank1)  # a step of no example
     # Same data: the runs saw the same number of records at every step.
     for run in (runs.fsdp, runs.ddp):
         state = stream_state(checkpoint_meta(run / "checkpoints" / "last.ckpt"))
-        assert batches_consumed(state, world=2) == 30
+        assert batches_consumed(state, world=2) == STEPS
 
 
 # -- 2b. pretrained weights loaded into the shards ------------------------------------------------
@@ -346,9 +390,10 @@ def test_fsdp_from_a_pretrained_checkpoint_trains_as_one_process(root, base_chec
     # Each FSDP rank reads its slices into its shards and draws the fresh head one process draws.
     steps = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=1000",
              f"model.path={base_checkpoint}"]
-    fsdp = train(root, "fsdp_pretrained", *FSDP, *steps)
-    reference = train(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8",
-                      *steps, script=REFERENCE)
+    fsdp, reference = finish(
+        begin(root, "fsdp_pretrained", *FSDP, *steps, ranks=2),
+        begin(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8", *steps,
+              script=REFERENCE))
     (f_train, f_val), (r_train, r_val) = curves(fsdp), curves(reference)
     assert sorted(f_train) == list(range(1, 7))
     figures = {"train": max_diff(f_train, r_train), "val": max_diff(f_val, r_val)}
@@ -407,14 +452,14 @@ def test_fsdp_checkpoints_export_consolidated_to_plain_transformers(runs, tmp_pa
                            str(out)], env=run_env(tmp_path), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "crm.json").read_text())["global_step"] == 30
+    assert json.loads((out / "crm.json").read_text())["global_step"] == STEPS
     export_checkpoint(runs.reference / "checkpoints" / "last.ckpt", tmp_path / "reference_last")
     export_checkpoint(runs.ddp / "checkpoints" / "last.ckpt", tmp_path / "ddp_last")
     for name in ("fsdp_last", "reference_last", "ddp_last"):
         logits[name] = export_logits(tmp_path / name)
 
     assert logits["fsdp"].shape == (3, 2)
-    if steps["fsdp"] != 30:  # other weights give other logits: the comparisons below can fail
+    if steps["fsdp"] != STEPS:  # other weights give other logits: the comparisons below can fail
         assert (logits["fsdp"] - logits["fsdp_last"]).abs().max() > 1e-4
     figures = {pair: (logits[pair[0]] - logits[pair[1]]).abs().max().item() for pair in [
         ("fsdp", "reference"), ("fsdp", "ddp"), ("ddp", "reference"),
@@ -536,7 +581,8 @@ def test_hsdp_checkpoints_resume_under_fsdp_at_world_2_and_back(root, hsdp):
     # HSDP 2x2 -> FSDP 2 ranks (accumulation 2) through its epoch; then FSDP -> HSDP for one step.
     fsdp = train(root, "fsdp_from_hsdp", *FSDP, "micro_batch_size=4", "global_batch_size=16",
                  f"resume={hsdp / 'checkpoints' / 'last.ckpt'}", f"trainer.max_steps={2 * EPOCH_STEPS}",
-                 "val_every_n_steps=10", f"save_every_n_steps={EPOCH_STEPS}", *probe("fsdp_from_hsdp"))
+                 "val_every_n_steps=10", f"save_every_n_steps={EPOCH_STEPS}", *probe("fsdp_from_hsdp"),
+                 ranks=2)
     saved, loaded = probe_report(root, "4242"), probe_report(root, "fsdp_from_hsdp")
     assert_same_state(loaded["start"], saved["end"])
     m = metrics(fsdp)["train"]
@@ -553,7 +599,7 @@ def test_hsdp_checkpoints_resume_under_fsdp_at_world_2_and_back(root, hsdp):
     best_step = checkpoint_meta(best)["global_step"]
     from_best = train(root, "fsdp_from_best", *FSDP, "micro_batch_size=4", "global_batch_size=16",
                       f"resume={best}", f"trainer.max_steps={best_step + 1}",
-                      "val_every_n_steps=1000", "save_every_n_steps=1000", "export=false")
+                      "val_every_n_steps=1000", "save_every_n_steps=1000", "export=false", ranks=2)
     assert metrics(from_best)["train"]["resumed_from"] == str(best)
     assert metrics(from_best)["train"]["global_step"] == best_step + 1
 
@@ -768,39 +814,40 @@ def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, ru
     run_dir = root / "outputs" / name
     ckpts = run_dir / "checkpoints"
     last, partial = ckpts / "last.ckpt", ckpts / "last.ckpt.partial"
-    proc = Proc(crm_train_cmd(f"name={name}", *FSDP, *CURVE), run_env(root),
-                root / "logs" / f"{name}-killed.log")
-    with cleanup(proc):
-        wait_for(lambda: is_complete_checkpoint(last), (proc,), RUN_TIMEOUT, "first last.ckpt")
+    procs = start(root, f"{name}-killed", crm_train_cmd(f"name={name}", *FSDP, *CURVE), ranks=2)
+    with cleanup(*procs):
+        wait_for(lambda: is_complete_checkpoint(last), procs, RUN_TIMEOUT, "first last.ckpt")
         # Then kill both ranks while the next checkpoint is being written (.partial exists).
-        wait_for(partial.exists, (proc,), RUN_TIMEOUT, "a second checkpoint save", interval=0.002)
-        proc.signal(signal.SIGKILL, group=True)
-        proc.wait()
-    assert proc.popen.returncode == -signal.SIGKILL
+        wait_for(partial.exists, procs, RUN_TIMEOUT, "a second checkpoint save", interval=0.002)
+        for proc in procs:
+            proc.signal(signal.SIGKILL, group=True)
+        for proc in procs:
+            proc.wait()
+    assert procs[0].popen.returncode == -signal.SIGKILL
     assert not (run_dir / "metrics.json").exists()
     left = {p.name: is_complete_checkpoint(p) for p in ckpts.glob("last.ckpt*")}
     # last.ckpt (or, killed between the swap's two renames, a complete .partial or .old)
     expected = resolve_resume("auto", run_dir)
     assert expected is not None, left
     resume_step = checkpoint_meta(expected)["global_step"]
-    assert resume_step in (5, 10, 15, 20, 25), resume_step
+    assert resume_step in range(5, STEPS, 5), resume_step
     killed_rows = len(logged(run_dir, "train/loss"))
     assert killed_rows > resume_step  # the killed run had trained past its checkpoint
 
-    rerun = train(root, name, *FSDP, *CURVE)
+    rerun = train(root, name, *FSDP, *CURVE, ranks=2)
     m = metrics(rerun)["train"]
-    assert m["global_step"] == 30 and m["resumed_from"] == expected
-    assert checkpoint_meta(last)["global_step"] == 30  # rewritten by the rerun
+    assert m["global_step"] == STEPS and m["resumed_from"] == expected
+    assert checkpoint_meta(last)["global_step"] == STEPS  # rewritten by the rerun
     assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # per rank
-    assert batches_consumed(stream_state(checkpoint_meta(last)), world=2) == 30
+    assert batches_consumed(stream_state(checkpoint_meta(last)), world=2) == STEPS
     assert not partial.exists() and not (ckpts / "last.ckpt.old").exists()
     rerun_steps = [step for step, _ in logged(rerun, "train/loss")[killed_rows:]]
-    assert rerun_steps == list(range(resume_step + 1, 31))  # from the step after its checkpoint
+    assert rerun_steps == list(range(resume_step + 1, STEPS + 1))  # from the step after its checkpoint
     # The whole curve (the killed run's steps, then the rerun's) is the uninterrupted run's.
     resumed_train, resumed_val = curves(rerun)
     full_train, full_val = curves(runs.fsdp)
     train_diff, val_diff = max_diff(resumed_train, full_train), max_diff(resumed_val, full_val)
     print(f"killed after {killed_rows} logged steps, mid-save (checkpoints left: {left}); resumed "
           f"from step {resume_step}: max |train/loss diff| {train_diff:.2e}, "
-          f"|val/loss diff| at 30 {abs(resumed_val[30] - full_val[30]):.2e}")
+          f"|val/loss diff| at {STEPS} {abs(resumed_val[STEPS] - full_val[STEPS]):.2e}")
     assert train_diff <= 1e-6 and val_diff <= 1e-6

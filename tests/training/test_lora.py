@@ -4,8 +4,9 @@ One process (train(cfg) in this process): only adapters and head train and only 
 and a single-file checkpoint resumes to the uninterrupted curve;
 the merged export scores as the LoRA model does and plain transformers loads it with its labels;
 the adapter export (peft's form) scores the same through CRMScorer and CRMReward; a changed base
-and bad settings are refused in one line. Two FSDP2 processes (crm-train subprocesses, as
-tests/training/test_distributed.py runs them): the meta-device sharded load, frozen bf16 base
+and bad settings are refused in one line. Two FSDP2 processes (crm-train subprocesses: the
+uninterrupted run's rank 0 starts rank 1 through Lightning's launcher, the suite's one crm-train run
+that does; the resumed run's ranks start at once): the meta-device sharded load, frozen bf16 base
 and fp32 adapters in one sharded unit, a sharded LoRA checkpoint that resumes to the uninterrupted
 curve, and its merged export.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_DEMO, free_port, run_as_job, save_tiny_base
+from helpers import TINY_DEMO, assert_ranks_ok, free_port, run_as_job, run_ranks, save_tiny_base
 from hydra import compose, initialize_config_module
 
 from crm.cli.train import train
@@ -197,7 +198,9 @@ def test_bad_lora_settings_are_one_line_at_start(demo_root, base, tmp_path, over
 
 # -- FSDP2, two processes -------------------------------------------------------------------------
 
-def crm_train(root: Path, name: str, *overrides: str) -> Path:
+def crm_train(root: Path, name: str, *overrides: str, ranks: int = 1) -> Path:
+    """ranks=1: rank 0 alone, whose Lightning launcher starts rank 1; ranks=2: both started at once
+    (helpers.run_ranks, as torchrun would: 8-10 s sooner on 2 cores)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env.update(CRM_ROOT=str(root), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
@@ -205,6 +208,9 @@ def crm_train(root: Path, name: str, *overrides: str) -> Path:
     cmd = [str(Path(sys.executable).parent / "crm-train"), f"name={name}", *RUN, "evaluate=false",
            "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "micro_batch_size=4",
            *overrides]
+    if ranks > 1:
+        assert_ranks_ok(run_ranks(cmd, env, root / "logs" / name, ranks))
+        return root / "outputs" / name
     # Its own session: a timeout kills rank 1 (launched by Lightning) with it.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -228,7 +234,7 @@ def test_fsdp_lora_from_a_sharded_load_resumes_to_the_same_curve(demo_root, base
                          "save_every_n_steps=6")
     step3 = demo_root / "keep" / "at-step=3.ckpt"
     resumed = crm_train(demo_root, "lora_fsdp_resumed", f"model.path={base}", *CURVE,
-                        f"resume='{step3}'", "export=false")
+                        f"resume='{step3}'", "export=false", ranks=2)
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(a) == list(range(1, 7)) and sorted(b) == [4, 5, 6]
     for step in (4, 5, 6):

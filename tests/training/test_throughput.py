@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from functools import partial
@@ -217,12 +216,14 @@ DDP_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow  # two processes: 10-25 s on the 2-core machine
 def test_ddp_figures_are_global(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    script = tmp_path / "ddp_throughput.py"  # a file: Lightning's DDP re-runs it for rank 1
+    from helpers import assert_ranks_ok, run_ranks  # here: DDP_SCRIPT imports this module alone
+
+    script = tmp_path / "ddp_throughput.py"
     script.write_text(DDP_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Both ranks started at once (Lightning starts none), not rank 1 after rank 0's imports.
+    assert_ranks_ok(run_ranks([sys.executable, str(script), str(Path(__file__).parent)],
+                              {**os.environ, "PYTHONWARNINGS": "ignore"}, tmp_path / "logs",
+                              timeout=300, cwd=tmp_path))
     results = {rank: json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1)}
     # Both ranks: 2 steps x 0.5 s; real tokens 2 x (25 + 9), padded 2 x (36 + 9), 2 x (4 + 3) rows.
     for last in results.values():
