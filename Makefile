@@ -61,7 +61,7 @@ $(CHROMIUM):
 # and hostile-input tests, 1012 s with them; 2026-11-26, other jobs on the machine (load 1-4.5):
 # 1244 s, then 1432 s once 2-rank test runs started both ranks at once (the votes end-to-end test,
 # its 2 torch threads the most hurt by load: 226 s, then 465 s; the rest 1018 s, then 967 s); with
-# packed rows' tests, on a fresh clone, quiet: 972 s of tests, 18.7 min with the install; CI's
+# packed rows' tests, on a fresh clone, quiet: 923-972 s of tests, 18.4-18.7 min with the install; CI's
 # budget is 15 minutes);
 # `$(BIN)/python -m pytest -m "not slow"` leaves those out while you work.
 test: install $(CHROMIUM)
