@@ -162,6 +162,7 @@ def train(cfg: DictConfig) -> dict | None:
     benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
     compile = compile_layers(run)
     checks.check_attention(run.model.attention, compile)
+    packing = packed_rows(run)
     micro_batch, accum = batch_plan(run.global_batch_size, run.micro_batch_size,
                                     world_size(run.trainer), run.max_micro_batch_size)
     shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
@@ -172,7 +173,6 @@ def train(cfg: DictConfig) -> dict | None:
     tokenizer = load_or_train_tokenizer(
         run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
-    packing = packing_rows.decide(run.stream.packing, device_type(run.trainer), run.loss.kind)
     stream = StreamConfig(**{**asdict(run.stream), "packing": packing}, batch_size=micro_batch,
                           mode=run.loss.kind, seed=run.seed, template=run.template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
@@ -364,6 +364,14 @@ def compile_layers(run: TrainConfig) -> bool:
     if wanted and run.model.attention not in ("auto", *COMPILABLE_ATTENTION):
         raise ConfigError(not_compilable(run.model.attention))
     return wanted
+
+
+def packed_rows(run: TrainConfig) -> bool:
+    """`stream.packing` for the trainer's device (auto: on CUDA); a wrong value is refused at start."""
+    try:
+        return packing_rows.decide(run.stream.packing, device_type(run.trainer), run.loss.kind)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def transform_config(run: TrainConfig, accumulation: int = 1) -> TransformConfig:

@@ -582,6 +582,7 @@ def test_global_batch_not_divisible_by_micro_batch_is_refused(demo_root, tmp_pat
 @pytest.mark.parametrize("overrides, message", [
     (["data=shards", "data.path=/nonexistent"], "data.path=/nonexistent: no manifest.json there"),
     (["data=demo", "model.path=/nonexistent"], "model.path=/nonexistent: no such directory"),
+    (["data=demo", "stream.packing=yes"], "stream.packing='yes': expected auto, true or false"),
 ])
 def test_configuration_errors_name_the_setting(demo_root, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
