@@ -48,6 +48,11 @@ usl: install
 rl: install
 	$(BIN)/crm-rl $(ARGS)
 
+# Two pytest-xdist workers, one per core, whole files each (a file's module fixtures are built
+# once); a test marked both_cores (ranks, a SLURM job's tasks) runs while the other worker waits
+# (tests/conftest.py). `make test PYTEST_PARALLEL=` runs it in one process.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
+
 # The app's browser tests drive Debian's chromium (Playwright never downloads a browser here):
 # installed with apt-get when missing, which needs root (as CI has on a fresh machine).
 CHROMIUM ?= /usr/bin/chromium
@@ -65,7 +70,7 @@ $(CHROMIUM):
 # budget is 15 minutes);
 # `$(BIN)/python -m pytest -m "not slow"` leaves those out while you work.
 test: install $(CHROMIUM)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 lint: install
 	$(BIN)/ruff check .

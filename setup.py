@@ -54,8 +54,9 @@ setup(
         "embed": ["sentence-transformers==6.2.0"],
         # The tests compose the SLURM launcher config, drive the app (playwright: its browser
         # tests, with the system's chromium) and run crm-rl, so dev includes the slurm, app and rl extras.
-        "dev": ["pytest==9.2.0", "ruff==0.17.5", "hydra-submitit-launcher==1.2.0",
-                "playwright==1.65.2", *APP_REQUIRES, *RL_REQUIRES],
+        # pytest-xdist: `make test` runs the suite on two workers (tests/conftest.py shares the cores)
+        "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "execnet==2.1.2", "ruff==0.17.5",
+                "hydra-submitit-launcher==1.2.0", "playwright==1.65.2", *APP_REQUIRES, *RL_REQUIRES],
     },
     entry_points={
         "console_scripts": [

@@ -1,11 +1,79 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the two workers' share of the two cores.
+
+`make test` runs the suite on two pytest-xdist workers, each one process at one torch thread, so
+the two cores each run one test. A test marked `both_cores` starts processes of its own (a
+2-rank run, a SLURM job's tasks, a 2-thread run) that need both: while it runs, the other worker
+starts nothing. A worker holds the cores shared for each other test and alone for a both_cores
+one (flock on two files of the run); a worker waiting to hold them alone first takes the gate, so
+the other cannot starve it by starting test after test. Without xdist the lock is not used.
+"""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import TINY_DEMO
+
+XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+
+
+class CoreShare:
+    def __init__(self, directory: Path):
+        directory.mkdir(exist_ok=True)
+        self.gate = open(directory / "gate", "a")  # held for the session
+        self.cores = open(directory / "cores", "a")
+
+    @contextlib.contextmanager
+    def hold(self, alone: bool):
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.cores, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+
+CORES = CoreShare(Path(tempfile.gettempdir()) / f"crm-tests-{XDIST_RUN}") if XDIST_RUN else None
+
+
+def pytest_configure(config):
+    if CORES is not None:
+        # One thread per worker (and per process a test starts unless it says otherwise): two
+        # workers' default two threads each would be four on two cores.
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # inductor's pool: a process per core
+
+
+def pytest_collection_modifyitems(config, items):
+    """xdist hands out whole files (--dist loadfile) in this order: first the files of slow tests
+    that share the cores, so that none starts last and leaves the other worker idle at the end
+    (and the compile tests fill inductor's cache before the ranks compile the same layer); the
+    files of both_cores tests last, as while one of those runs the other worker waits anyway."""
+    def files(marker: str) -> set:
+        return {item.path for item in items if item.get_closest_marker(marker)}
+
+    slow, alone = files("slow"), files("both_cores")
+    items.sort(key=lambda item: (item.path in alone, item.path not in slow))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if CORES is None:
+        return (yield)
+    with CORES.hold(alone=item.get_closest_marker("both_cores") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="module")

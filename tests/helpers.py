@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import random
 import socket
 import tarfile
 from pathlib import Path
@@ -153,11 +154,22 @@ def run_as_job(cfg, function):
         HydraConfig.instance().cfg = None
 
 
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) or as an
+# outgoing connection's source may be taken again between this check and the server's own bind
+# (EADDRINUSE in a rank's TCPStore, seen while another test held thousands of connections).
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on loopback now, drawn at random outside the ephemeral range."""
+    for port in random.Random().sample(PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS}")
 
 
 def run_ranks(cmd: list[str], env: dict, log_dir: Path, ranks: int = 2, timeout: float = 240,

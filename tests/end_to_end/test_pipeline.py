@@ -111,11 +111,11 @@ def test_votes_to_a_crm_that_reads_criteria(tmp_path, monkeypatch, capsys):
     contradictory = raw / "test" / "contradictory.jsonl"
     # A pointwise CRM (L_ranking), direction random: each record shows the winner's or the loser's
     # criteria and the label follows them, so both sides' extracted criteria must be right. 200 steps
-    # of 32 at lr 2e-3 on both cores (pytest runs one test at a time). Measured on the 2-core AMD
-    # EPYC: 0.79 / 0.785 on this contradictory file (seeds 0 / 1), 75 s of crm-train. The pairwise
+    # of 32 at lr 2e-3 on one core (the other runs the other xdist worker's tests). Measured on the
+    # 2-core AMD EPYC at 2 threads: 0.79 / 0.785 on this contradictory file (seeds 0 / 1). The pairwise
     # CRM from random init first sits on a criteria-blind plateau (docs/RESULTS.md) and needs 500 steps
     # of 64 for 0.82-0.87 (230 s); its learning is make demo's and benchmarks/demo_quality.py's.
-    done = command("crm-train", "data=shards", f"data.path={shards}", "name=arena", "torch_threads=2",
+    done = command("crm-train", "data=shards", f"data.path={shards}", "name=arena", "torch_threads=1",
                    "loss=ranking", "direction=random", "global_batch_size=32", "optim.lr=2e-3",
                    "trainer.max_steps=200", "val_every_n_steps=1000",
                    "logger=none", "trainer.enable_progress_bar=false", f"data.test_files=[{contradictory}]",

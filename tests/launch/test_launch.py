@@ -140,7 +140,7 @@ class FakeSlurm:
     def run_dir(self) -> Path:
         return self.root / "outputs" / str(self.job_id)
 
-    def run(self, script: Path, *args: str, timeout: float = 60, **env: str):
+    def run(self, script: Path, *args: str, timeout: float = 180, **env: str):
         return subprocess.run(["bash", str(script), *args], env={**self.env, **env},
                               capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
@@ -674,6 +674,7 @@ def kill_tasks(fake: FakeSlurm, signum: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.both_cores
 def test_train_sbatch_end_to_end_preempted_requeued_and_resumed(tmp_path):
     """Two ranks on CPU through the real script: SIGUSR1 to every process of every task (DataLoader
     workers too) -> last.ckpt at a step boundary, `scontrol requeue` by rank 0, the batch script

@@ -154,6 +154,7 @@ def test_on_the_meta_device_nothing_is_read(checkpoints):
 
 # -- FSDP2 at world 2 -----------------------------------------------------------------------------
 
+@pytest.mark.both_cores
 def test_sharded_load_at_world_2_gives_the_logits_of_a_plain_load(checkpoints, tmp_path):
     save_file(batch(), tmp_path / "batch.safetensors")
     names = ["classifier", "several_files", "causal_lm", "bf16"]

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")  # tests/conf
 
 
 @pytest.mark.slow  # two processes, each building its model four times: 60-120 s on 2 cores
+@pytest.mark.both_cores
 def test_fsdp2_world_2_compiled_layers_and_packed_rows_give_eager_padded_losses_and_gradients(tmp_path):
     """At world 2 under FSDP2 with activation checkpointing: compiled layers give the eager losses
     and gradients, and packed rows (crm.data.packing) give the padded rows', eager and compiled,

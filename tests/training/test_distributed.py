@@ -39,7 +39,9 @@ from crm.training.trainer import resolve_resume
 
 # The subprocess tests are marked slow (12 runs, about 5 minutes on the 2-core machine):
 # `make test` runs them too, `-m 'not slow'` leaves them out.
+# A test that starts ranks holds both cores: the other xdist worker waits meanwhile (tests/conftest.py).
 slow = pytest.mark.slow
+ranks = pytest.mark.both_cores
 
 BIN = Path(sys.executable).parent
 REFERENCE = Path(__file__).parents[1] / "dist" / "single_reference.py"
@@ -332,6 +334,7 @@ def runs(root) -> SharedRuns:
 # -- 1. sharding ----------------------------------------------------------------------------------
 
 @slow
+@ranks
 def test_fsdp_shards_parameters_and_optimizer_states(runs):
     fsdp, ddp, single = (metrics(r)["train"] for r in (runs.fsdp, runs.ddp, runs.reference))
     assert fsdp["world_size"] == ddp["world_size"] == 2 and single["world_size"] == 1
@@ -351,6 +354,7 @@ def test_fsdp_shards_parameters_and_optimizer_states(runs):
 # -- 2. loss curves -------------------------------------------------------------------------------
 
 @slow
+@ranks
 def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     (f_train, f_val), (d_train, d_val), (r_train, r_val) = (
         curves(r) for r in (runs.fsdp, runs.ddp, runs.reference))
@@ -386,6 +390,7 @@ def base_checkpoint(root) -> Path:
 
 
 @slow
+@ranks
 def test_fsdp_from_a_pretrained_checkpoint_trains_as_one_process(root, base_checkpoint):
     # Each FSDP rank reads its slices into its shards and draws the fresh head one process draws.
     steps = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=1000",
@@ -435,6 +440,7 @@ def export_logits(export_dir: Path) -> torch.Tensor:
 
 
 @slow
+@ranks  # the shared FSDP run, when no test before this one started it
 def test_fsdp_checkpoints_export_consolidated_to_plain_transformers(runs, tmp_path):
     from crm.models.checkpoint import export_checkpoint
 
@@ -470,6 +476,7 @@ def test_fsdp_checkpoints_export_consolidated_to_plain_transformers(runs, tmp_pa
 
 
 @slow
+@ranks  # the shared FSDP run, when no test before this one started it
 def test_a_scorer_reads_an_fsdp_sharded_checkpoint_as_it_is(runs, root, tmp_path):
     """CRMScorer straight from the shards (no export first), as from that checkpoint's export, and
     as from the DDP run's single-file checkpoint of the same step."""
@@ -542,24 +549,29 @@ def test_hsdp_refuses_shard_groups_that_span_nodes():
 
 
 @pytest.fixture(scope="module")
-def hsdp(root) -> Path:
-    # sharding=auto: several nodes of several ranks (CPU: no device memory to plan against) -> hsdp
-    return hsdp_job(root, "4242", f"trainer.max_steps={EPOCH_STEPS}")
+def hsdp(root) -> tuple[Path, Path]:
+    """The 2x2 job to its epoch's end, and its one-process reference, started beside it: the
+    union of the 4 ranks' 2 micro batches a step."""
+    reference = begin(root, "reference_4x2", "micro_batch_size=16", "global_batch_size=16",
+                      f"trainer.max_steps={EPOCH_STEPS}", "val_every_n_steps=10",
+                      "save_every_n_steps=1000", script=REFERENCE, REFERENCE_WORLD="4",
+                      REFERENCE_ACCUMULATION="2")
+    with cleanup(*reference[1]):
+        # sharding=auto: several nodes of several ranks (CPU: no device memory to plan against)
+        job = hsdp_job(root, "4242", f"trainer.max_steps={EPOCH_STEPS}")
+    return job, finish(reference)[0]
 
 
 @slow
+@ranks
 def test_hsdp_on_two_simulated_nodes_trains_as_one_process(root, hsdp):
+    hsdp, reference = hsdp
     m = metrics(hsdp)["train"]
     assert m["world_size"] == 4 and m["global_step"] == EPOCH_STEPS
     assert (m["micro_batch_size"], m["accumulation"]) == (2, 2)
     last = hsdp / "checkpoints" / "last.ckpt"
     assert checkpoint_meta(last)["crm_config"]["parallel"]["sharding"] == "hsdp"
     assert sorted(p.name for p in last.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
-    # The one-process reference trains on the union of the 4 ranks' 2 micro batches a step.
-    reference = train(root, "reference_4x2", "micro_batch_size=16", "global_batch_size=16",
-                      f"trainer.max_steps={EPOCH_STEPS}", "val_every_n_steps=10",
-                      "save_every_n_steps=1000", script=REFERENCE, REFERENCE_WORLD="4",
-                      REFERENCE_ACCUMULATION="2")
     (h_train, h_val), (r_train, r_val) = curves(hsdp), curves(reference)
     assert sorted(h_train) == list(range(1, EPOCH_STEPS + 1)) and sorted(h_val) == [10, 20]
     figures = {"train": max_diff(h_train, r_train), "val": max_diff(h_val, r_val)}
@@ -577,7 +589,9 @@ def test_hsdp_on_two_simulated_nodes_trains_as_one_process(root, hsdp):
 
 
 @slow
+@ranks
 def test_hsdp_checkpoints_resume_under_fsdp_at_world_2_and_back(root, hsdp):
+    hsdp, _ = hsdp
     # HSDP 2x2 -> FSDP 2 ranks (accumulation 2) through its epoch; then FSDP -> HSDP for one step.
     fsdp = train(root, "fsdp_from_hsdp", *FSDP, "micro_batch_size=4", "global_batch_size=16",
                  f"resume={hsdp / 'checkpoints' / 'last.ckpt'}", f"trainer.max_steps={2 * EPOCH_STEPS}",
@@ -655,8 +669,9 @@ def assert_no_sync_on_micro_batches_that_do_not_log(census: list[list[dict]]) ->
 
 
 @slow
-@pytest.mark.parametrize("ntasks,signalled,signame", [(1, 0, "SIGTERM"), (2, 1, "SIGUSR1")],
-                         ids=["1-task-sigterm", "2-nodes-one-signalled"])
+@pytest.mark.parametrize("ntasks,signalled,signame", [
+    pytest.param(1, 0, "SIGTERM", id="1-task-sigterm"),
+    pytest.param(2, 1, "SIGUSR1", id="2-nodes-one-signalled", marks=ranks)])
 def test_preemption_saves_at_the_end_of_the_signalled_step_and_the_requeued_job_resumes(
         root, tmp_path, ntasks, signalled, signame):
     bin_dir, calls = fake_scontrol(tmp_path)
@@ -809,6 +824,7 @@ def test_a_resumed_run_appends_to_the_csv_history(tmp_path):
 
 
 @slow
+@ranks
 def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, runs):
     name = "fsdp_killed"
     run_dir = root / "outputs" / name

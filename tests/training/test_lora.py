@@ -224,6 +224,7 @@ def crm_train(root: Path, name: str, *overrides: str, ranks: int = 1) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.both_cores
 def test_fsdp_lora_from_a_sharded_load_resumes_to_the_same_curve(demo_root, base):
     # The uninterrupted run also keeps its step-3 checkpoint, which a second run resumes from.
     keep = ["+callbacks.keep._target_=lightning.pytorch.callbacks.ModelCheckpoint",

@@ -215,6 +215,7 @@ DDP_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow  # two processes: 10-25 s on the 2-core machine
+@pytest.mark.both_cores
 def test_ddp_figures_are_global(tmp_path):
     from helpers import assert_ranks_ok, run_ranks  # here: DDP_SCRIPT imports this module alone
 
