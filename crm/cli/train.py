@@ -174,6 +174,7 @@ def train(cfg: DictConfig) -> dict | None:
         run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
     stream = StreamConfig(**{**asdict(run.stream), "packing": packing}, batch_size=micro_batch,
+                          gather_views=device_type(run.trainer) != "cuda",
                           mode=run.loss.kind, seed=run.seed, template=run.template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
                                step_batches=accum)
