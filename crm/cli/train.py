@@ -48,6 +48,7 @@ from crm.training.module import CRMModule, OptimConfig
 from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
 from crm.training.progress import progress_bar
+from crm.training.resolve import Resolved
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
 from crm.training.trainer import (AgreedResume, batch_plan, device_type, leave_process_group,
@@ -158,8 +159,7 @@ def train(cfg: DictConfig) -> dict | None:
     run: TrainConfig = settings(cfg)
     check_config(cfg)
     checks.check_trainer(run.trainer)
-    # Read and checked at start: a benchmark file not in its layout stops the run before training.
-    benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
+    benchmarks = read_benchmarks(run)
     compile = compile_layers(run)
     checks.check_attention(run.model.attention, compile)
     packing = packed_rows(run)
@@ -179,15 +179,18 @@ def train(cfg: DictConfig) -> dict | None:
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
                                step_batches=accum)
     parallel = resolve_sharding(run.parallel, run.trainer,
-                                partial(choose_sharding, run, len(tokenizer), micro_batch, compile))
+                                partial(choose_sharding, run, len(tokenizer), micro_batch, compile,
+                                        packing))
     run_config = OmegaConf.to_container(cfg, resolve=True)
-    run_config["parallel"]["sharding"] = parallel.sharding  # what ran, not "auto"
     make_crm = partial(build_crm, run.model, run.loss, num_labels=datamodule.transform.num_labels,
                        pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
                        compiled=compile, lora=run.lora)
     lora = lora_record(run, make_crm)
     parallel = resolve_timeout(parallel, run, len(tokenizer), lora)
-    run_config["parallel"]["timeout_minutes"] = parallel.timeout_minutes
+    resolved = Resolved(compile=compile, packing=packing, micro_batch_size=micro_batch,
+                        accumulation=accum, sharding=parallel.sharding,
+                        timeout_minutes=parallel.timeout_minutes, lora=lora)
+    record_resolved(run_config, resolved)
     module = CRMModule(make_crm, run.optim, parallel, run_config=run_config, compile=compile,
                        lora=lora)
     sweep = sweep_info(run)
@@ -209,33 +212,38 @@ def train(cfg: DictConfig) -> dict | None:
     # Every rank leaves before rank 0's long work (export, evaluation): none waits in a collective.
     leave_process_group(trainer)
 
-    best, throughput = callbacks["best"], callbacks.get("throughput")
-    metrics = {
-        "run_dir": str(run_dir),
-        "preempted": callbacks["preemption"].preempted,
-        "train": {"global_step": trainer.global_step,
-                  "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
-                  "resumed_from": resumed_from, "micro_batch_size": micro_batch,
-                  "accumulation": accum, "world_size": trainer.world_size,
-                  "per_rank_memory": callbacks["sharding"].per_rank,
-                  "lora_trainable_parameters": lora and lora["trainable_parameters"],
-                  "throughput": throughput.last if throughput else None,
-                  "wall_seconds": round(time.time() - started, 1)},
-    }
-    if not trainer.is_global_zero:
-        return None
-    if "export" in callbacks:
-        callbacks["export"].export(trainer, module)
-        if not metrics["preempted"] and run.evaluate and (run.data.test_files or benchmarks):
-            scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-            if run.data.test_files:
-                metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
-            if benchmarks:
-                metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
-                                                         trainer.global_step)
-    metrics["wall_seconds"] = round(time.time() - started, 1)
-    write_json(run_dir / "metrics.json", metrics)
-    return metrics
+    # A late warning signal is ignored until here (crm.training.preemption), on every rank.
+    try:
+        best, throughput = callbacks["best"], callbacks.get("throughput")
+        metrics = {
+            "run_dir": str(run_dir),
+            "preempted": callbacks["preemption"].preempted,
+            "resolved": resolved.record(),
+            "train": {"global_step": trainer.global_step,
+                      "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
+                      "resumed_from": resumed_from, "micro_batch_size": micro_batch,
+                      "accumulation": accum, "world_size": trainer.world_size,
+                      "per_rank_memory": callbacks["sharding"].per_rank,
+                      "lora_trainable_parameters": lora and lora["trainable_parameters"],
+                      "throughput": throughput.last if throughput else None,
+                      "wall_seconds": round(time.time() - started, 1)},
+        }
+        if not trainer.is_global_zero:
+            return None
+        if "export" in callbacks:
+            callbacks["export"].export(trainer, module)
+            if not metrics["preempted"] and run.evaluate and (run.data.test_files or benchmarks):
+                scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
+                if run.data.test_files:
+                    metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
+                if benchmarks:
+                    metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
+                                                             trainer.global_step)
+        metrics["wall_seconds"] = round(time.time() - started, 1)
+        write_json(run_dir / "metrics.json", metrics)
+        return metrics
+    finally:
+        callbacks["preemption"].release()
 
 
 def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger, step: int) -> dict:
@@ -253,6 +261,16 @@ def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger,
     if logger:
         logger.save()
     return results
+
+
+def read_benchmarks(run: TrainConfig) -> list[Benchmark]:
+    """The benchmarks global rank 0 scores after fit, read and checked at start: a file not in its
+    layout stops the run before training. Every rank checks them, as each must stop by itself (no
+    process group exists yet to share rank 0's verdict), and only global rank 0 keeps them."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
+    return benchmarks if not rank_zero_only.rank else []
 
 
 def log_per_rank() -> None:
@@ -322,18 +340,21 @@ def lora_record(run: TrainConfig, make_crm) -> dict | None:
 
 
 def choose_sharding(run: TrainConfig, vocab_size: int, micro_batch: int, compiled: bool,
-                    num_nodes: int, devices: int) -> str:
+                    packing: bool, num_nodes: int, devices: int) -> str:
     """parallel.sharding=auto's choice for this run (crm.perf.network.choose_sharding): the memory
-    plan at the run's row length and micro batch against this GPU; CPU ranks have no device
-    memory to plan against."""
+    plan at the run's row length, micro batch and packing against this GPU, with every setting
+    crm-plan plans it with (its default prompt_share: crm-train does not know its data's), so
+    that the two agree; CPU ranks have no device memory to plan against."""
     from crm.perf import network
     from crm.perf.flops import model_shape
+    from crm.perf.memory import PLANNED_PROMPT_SHARE
 
     cuda = device_type(run.trainer) == "cuda"
     gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if cuda else math.inf
     return network.choose_sharding(
         model_shape(run.model, run.loss.kind, vocab_size), num_nodes=num_nodes, devices=devices,
         seq_len=run.stream.max_tokens, micro_batch_size=micro_batch, kind=run.loss.kind,
+        packing=packing, prompt_share=PLANNED_PROMPT_SHARE,
         activation_checkpointing=run.parallel.activation_checkpointing, compiled=compiled,
         gpu_memory_gib=gib)
 
@@ -373,6 +394,17 @@ def packed_rows(run: TrainConfig) -> bool:
         return packing_rows.decide(run.stream.packing, device_type(run.trainer), run.loss.kind)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def record_resolved(run_config: dict, resolved: Resolved) -> None:
+    """The run config says what ran, not `auto`: each setting's decided value in its place, and
+    the whole record under `resolved`."""
+    run_config["compile"] = resolved.compile
+    run_config["micro_batch_size"] = resolved.micro_batch_size
+    run_config["stream"]["packing"] = resolved.packing
+    run_config["parallel"]["sharding"] = resolved.sharding
+    run_config["parallel"]["timeout_minutes"] = resolved.timeout_minutes
+    run_config["resolved"] = resolved.record()
 
 
 def transform_config(run: TrainConfig, accumulation: int = 1) -> TransformConfig:
@@ -440,6 +472,7 @@ def run_plan_arguments(train_overrides: list[str]) -> list[str]:
             f"global_batch_size={cfg.global_batch_size}",
             f"max_micro_batch_size={cfg.max_micro_batch_size}", f"kind={cfg.loss.kind}",
             f"sharding={cfg.parallel.sharding}", f"grad_sync={cfg.parallel.grad_sync}",
+            f"activation_checkpointing={str(cfg.parallel.activation_checkpointing).lower()}",
             f"lora.rank={cfg.lora.rank}", f"lora.target_modules=[{','.join(cfg.lora.target_modules)}]"]
     # The plan is a GPU run's: packed and compiled unless the run turns them off.
     if str(cfg.stream.packing).lower() == "false":

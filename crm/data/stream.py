@@ -71,7 +71,9 @@ class StreamConfig(StreamSettings):
     prompt template."""
 
     batch_size: int  # records per batch on one rank (the micro batch)
-    packing: bool = True  # resolved: the run's choice (a library user's default: packed)
+    # resolved: the run's choice. A library user's default is padded rows, what crm-train's auto
+    # chooses on CPU and what every device runs; packed rows pay off on CUDA (PERFORMANCE.md 5).
+    packing: bool = False
     # packed rows: also the views the CPU's gather kernel reads (crm.models.packing.attention_path);
     # CUDA's kernels read only the ids and the segment starts
     gather_views: bool = True

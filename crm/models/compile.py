@@ -50,7 +50,7 @@ def resolve(setting, device_type: str) -> bool:
     """
     if setting == "auto":
         return device_type == "cuda"
-    if setting in (True, False):
+    if setting is True or setting is False:  # not `in (True, False)`: 0, 1 and 1.0 equal those
         return setting
     raise ValueError(f"compile={setting!r}: expected auto, true or false")
 
