@@ -18,6 +18,7 @@ import crm.cli.train as train_cli
 from crm.cli.common import settings
 from crm.perf import flops
 from crm.perf.memory import PLANNED_PROMPT_SHARE
+from crm.training import resolve as resolving
 
 GPU_GIB, DEVICES = 80, 8
 MODELS = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"]
@@ -78,7 +79,7 @@ def test_crm_train_and_crm_plan_choose_the_same_sharding_on_a_grid(an_80_gib_gpu
                       parallel=replace(run.parallel, activation_checkpointing=checkpointing))
         plan = replace(plan, seq_len=tokens, packing=packing, micro_batch_size=micro,
                        activation_checkpointing=checkpointing)
-        by_train = train_cli.choose_sharding(run, None, micro, True, packing, nodes, DEVICES)
+        by_train = resolving.choose_sharding(run, None, micro, True, packing, nodes, DEVICES)
         by_plan = plan_cli.resolve_sharding(flops.model_shape(plan.model, plan.kind), plan, nodes,
                                             DEVICES)
         assert by_train == by_plan, (model, nodes, micro, tokens, packing, checkpointing)
