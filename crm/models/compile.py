@@ -35,7 +35,6 @@ from crm.models.backbone import COMPILABLE_ATTENTION, decoder_layers, not_compil
 
 log = logging.getLogger(__name__)
 
-SETTINGS = ("auto", True, False)
 # Training compiles a graph for the train step, one for evaluation (inference mode), and one more
 # for each with a micro batch of one row; past this many, shapes are varying in a way the run should
 # know about.

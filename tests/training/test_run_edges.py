@@ -28,6 +28,18 @@ def test_a_number_that_equals_a_boolean_is_refused_at_start_in_one_line(key, val
         run_train(demo_root, tmp_path / "run", f"{key}={value}")
 
 
+def test_crm_evals_compile_refuses_a_number_too():
+    """The scorer's `compile` (crm-eval, crm-leaderboard, crm-usl: ScorerSettings) as crm-train's."""
+    from hydra import compose, initialize_config_module
+
+    import crm.cli.eval  # noqa: F401  (registers its config's schema)
+
+    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+        cfg = compose("eval", overrides=["compile=1", "checkpoint=x"])
+    with pytest.raises((ValueError, ConfigError), match="compile=1: expected auto, true or false"):
+        settings(cfg)
+
+
 def test_a_library_stream_is_padded_as_crm_train_auto_is_on_cpu():
     assert StreamConfig(batch_size=2).packing is False
     assert packing.decide("auto", "cpu", "pairwise") is False
