@@ -156,7 +156,7 @@ def train(cfg: DictConfig) -> dict | None:
     check_config(cfg)
     checks.check_trainer(run.trainer)
     benchmarks = read_benchmarks(run)
-    resolved = resolve(run, num_labels=transform_config(run).num_labels)
+    resolved = resolve(run)
     shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
     checks.check_data_fits(run, shard_dir, run_dir, world_size(run.trainer))
     L.seed_everything(run.seed, workers=True)

@@ -54,7 +54,7 @@ class Resolved:
         return run_config
 
 
-def resolve(run, *, num_labels: int) -> Resolved:
+def resolve(run) -> Resolved:
     """Every automatic choice of `run` for this machine, in the order each needs the last; the
     model is planned with its configured vocabulary (`model.vocab_size`, before any tokenizer)."""
     from crm.training import checks
@@ -68,7 +68,7 @@ def resolve(run, *, num_labels: int) -> Resolved:
     parallel = resolve_sharding(run.parallel, run.trainer,
                                 partial(choose_sharding, run, run.model.vocab_size, micro_batch,
                                         compile, packing))
-    lora = lora_record(run, num_labels=num_labels, compiled=compile)
+    lora = lora_record(run, num_labels=run.transform.num_labels, compiled=compile)
     parallel = resolve_timeout(parallel, run, run.model.vocab_size, lora)
     return Resolved(compile=compile, packing=packing, micro_batch_size=micro_batch,
                     accumulation=accumulation, sharding=parallel.sharding,
