@@ -93,12 +93,11 @@ class ScorerSettings:
 
     def __post_init__(self):
         from crm.models.backbone import DTYPES
-        from crm.models.compile import SETTINGS
+        from crm.models.compile import resolve
 
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype}: expected auto, {', '.join(DTYPES)}")
-        if self.compile not in SETTINGS:
-            raise ValueError(f"compile={self.compile}: expected auto, true or false")
+        resolve(self.compile, "cpu")  # refuses all but auto, true and false (1 and 1.0 too)
 
 
 def load_scorer(cfg: ScorerSettings):

@@ -4,12 +4,11 @@ below: each group and section is the dataclass of the code that reads it (crm/cl
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,8 @@ from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSe
 from crm.evaluation.accuracy import evaluate_files
 from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark, run_benchmark
 from crm.inference.scorer import CRMScorer
-from crm.models import compile as compiling
-from crm.models import packing as packing_rows
-from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
 from crm.models.factory import LossConfig, ModelConfig, build_crm
-from crm.models.lora import LoraConfig, base_record, trainable_counts
+from crm.models.lora import LoraConfig
 from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training import checks
 from crm.training.callbacks import CheckpointCard, ExportBest, ModelSize, ShardingReport
@@ -48,10 +44,11 @@ from crm.training.module import CRMModule, OptimConfig
 from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
 from crm.training.progress import progress_bar
+from crm.training.resolve import resolve
 from crm.training.sweeps import parse_overrides
 from crm.training.throughput import Throughput
-from crm.training.trainer import (AgreedResume, batch_plan, device_type, leave_process_group,
-                                  make_trainer, resolve_resume, resolve_sharding, world_size)
+from crm.training.trainer import (AgreedResume, device_type, leave_process_group,
+                                  make_trainer, resolve_resume, world_size)
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +155,8 @@ def train(cfg: DictConfig) -> dict | None:
     run: TrainConfig = settings(cfg)
     check_config(cfg)
     checks.check_trainer(run.trainer)
-    # Read and checked at start: a benchmark file not in its layout stops the run before training.
-    benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
-    compile = compile_layers(run)
-    checks.check_attention(run.model.attention, compile)
-    packing = packed_rows(run)
-    micro_batch, accum = batch_plan(run.global_batch_size, run.micro_batch_size,
-                                    world_size(run.trainer), run.max_micro_batch_size)
+    benchmarks = read_benchmarks(run)
+    resolved = resolve(run)
     shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
     checks.check_data_fits(run, shard_dir, run_dir, world_size(run.trainer))
     L.seed_everything(run.seed, workers=True)
@@ -173,21 +165,19 @@ def train(cfg: DictConfig) -> dict | None:
     tokenizer = load_or_train_tokenizer(
         run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
         texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
-    stream = StreamConfig(**{**asdict(run.stream), "packing": packing}, batch_size=micro_batch,
+    micro_batch, accum = resolved.micro_batch_size, resolved.accumulation
+    stream = StreamConfig(**{**asdict(run.stream), "packing": resolved.packing}, batch_size=micro_batch,
+                          gather_views=device_type(run.trainer) != "cuda",
                           mode=run.loss.kind, seed=run.seed, template=run.template)
     datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
                                step_batches=accum)
-    parallel = resolve_sharding(run.parallel, run.trainer,
-                                partial(choose_sharding, run, len(tokenizer), micro_batch, compile))
-    run_config = OmegaConf.to_container(cfg, resolve=True)
-    run_config["parallel"]["sharding"] = parallel.sharding  # what ran, not "auto"
+    parallel = resolved.parallel(run.parallel)
+    run_config = resolved.into(OmegaConf.to_container(cfg, resolve=True))
     make_crm = partial(build_crm, run.model, run.loss, num_labels=datamodule.transform.num_labels,
                        pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
-                       compiled=compile, lora=run.lora)
-    lora = lora_record(run, make_crm)
-    parallel = resolve_timeout(parallel, run, len(tokenizer), lora)
-    run_config["parallel"]["timeout_minutes"] = parallel.timeout_minutes
-    module = CRMModule(make_crm, run.optim, parallel, run_config=run_config, compile=compile,
+                       compiled=resolved.compile, lora=run.lora)
+    lora = resolved.lora
+    module = CRMModule(make_crm, run.optim, parallel, run_config=run_config, compile=resolved.compile,
                        lora=lora)
     sweep = sweep_info(run)
     logger = make_logger(run.logger, run_dir, run.name, sweep)
@@ -208,33 +198,38 @@ def train(cfg: DictConfig) -> dict | None:
     # Every rank leaves before rank 0's long work (export, evaluation): none waits in a collective.
     leave_process_group(trainer)
 
-    best, throughput = callbacks["best"], callbacks.get("throughput")
-    metrics = {
-        "run_dir": str(run_dir),
-        "preempted": callbacks["preemption"].preempted,
-        "train": {"global_step": trainer.global_step,
-                  "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
-                  "resumed_from": resumed_from, "micro_batch_size": micro_batch,
-                  "accumulation": accum, "world_size": trainer.world_size,
-                  "per_rank_memory": callbacks["sharding"].per_rank,
-                  "lora_trainable_parameters": lora and lora["trainable_parameters"],
-                  "throughput": throughput.last if throughput else None,
-                  "wall_seconds": round(time.time() - started, 1)},
-    }
-    if not trainer.is_global_zero:
-        return None
-    if "export" in callbacks:
-        callbacks["export"].export(trainer, module)
-        if not metrics["preempted"] and run.evaluate and (run.data.test_files or benchmarks):
-            scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-            if run.data.test_files:
-                metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
-            if benchmarks:
-                metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
-                                                         trainer.global_step)
-    metrics["wall_seconds"] = round(time.time() - started, 1)
-    write_json(run_dir / "metrics.json", metrics)
-    return metrics
+    # A late warning signal is ignored until here (crm.training.preemption), on every rank.
+    try:
+        best, throughput = callbacks["best"], callbacks.get("throughput")
+        metrics = {
+            "run_dir": str(run_dir),
+            "preempted": callbacks["preemption"].preempted,
+            "resolved": resolved.record(),
+            "train": {"global_step": trainer.global_step,
+                      "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
+                      "resumed_from": resumed_from, "micro_batch_size": micro_batch,
+                      "accumulation": accum, "world_size": trainer.world_size,
+                      "per_rank_memory": callbacks["sharding"].per_rank,
+                      "lora_trainable_parameters": lora and lora["trainable_parameters"],
+                      "throughput": throughput.last if throughput else None,
+                      "wall_seconds": round(time.time() - started, 1)},
+        }
+        if not trainer.is_global_zero:
+            return None
+        if "export" in callbacks:
+            callbacks["export"].export(trainer, module)
+            if not metrics["preempted"] and run.evaluate and (run.data.test_files or benchmarks):
+                scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
+                if run.data.test_files:
+                    metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
+                if benchmarks:
+                    metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
+                                                             trainer.global_step)
+        metrics["wall_seconds"] = round(time.time() - started, 1)
+        write_json(run_dir / "metrics.json", metrics)
+        return metrics
+    finally:
+        callbacks["preemption"].release()
 
 
 def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger, step: int) -> dict:
@@ -252,6 +247,16 @@ def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger,
     if logger:
         logger.save()
     return results
+
+
+def read_benchmarks(run: TrainConfig) -> list[Benchmark]:
+    """The benchmarks global rank 0 scores after fit, read and checked at start: a file not in its
+    layout stops the run before training. Every rank checks them, as each must stop by itself (no
+    process group exists yet to share rank 0's verdict), and only global rank 0 keeps them."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
+    return benchmarks if not rank_zero_only.rank else []
 
 
 def log_per_rank() -> None:
@@ -303,75 +308,6 @@ def check_config(cfg: DictConfig) -> None:
     elif not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
                           "`crm-data shard FILE.jsonl DIR`)")
-
-
-def lora_record(run: TrainConfig, make_crm) -> dict | None:
-    """A LoRA run's record of its adapters and base (crm.models.lora.base_record), after checking
-    on the meta device that the model has the target modules; None for full training."""
-    if not run.lora.enabled:
-        return None
-    try:  # shapes only: a model without the target modules stops here, before the trainer starts
-        counts = trainable_counts(make_crm(device="meta"))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    log.info("LoRA rank %d on %s: %d of %d parameters trained (%.2f%%, adapters + head)",
-             run.lora.rank, ", ".join(run.lora.target_modules), counts["trainable"],
-             counts["total"], 100 * counts["trainable"] / counts["total"])
-    return {**base_record(run.lora, run.model.path), "trainable_parameters": counts["trainable"]}
-
-
-def choose_sharding(run: TrainConfig, vocab_size: int, micro_batch: int, compiled: bool,
-                    num_nodes: int, devices: int) -> str:
-    """parallel.sharding=auto's choice for this run (crm.perf.network.choose_sharding): the memory
-    plan at the run's row length and micro batch against this GPU; CPU ranks have no device
-    memory to plan against."""
-    from crm.perf import network
-    from crm.perf.flops import model_shape
-
-    cuda = device_type(run.trainer) == "cuda"
-    gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if cuda else math.inf
-    return network.choose_sharding(
-        model_shape(run.model, run.loss.kind, vocab_size), num_nodes=num_nodes, devices=devices,
-        seq_len=run.stream.max_tokens, micro_batch_size=micro_batch, kind=run.loss.kind,
-        activation_checkpointing=run.parallel.activation_checkpointing, compiled=compiled,
-        gpu_memory_gib=gib)
-
-
-def resolve_timeout(parallel: ParallelConfig, run: TrainConfig, vocab_size: int,
-                    lora: dict | None) -> ParallelConfig:
-    """`parallel` with `timeout_minutes: auto` decided for this model and nodes
-    (crm.perf.memory.process_group_timeout_minutes, as crm-plan recommends it)."""
-    if parallel.timeout_minutes != "auto":
-        return parallel
-    from crm.perf.flops import model_shape
-    from crm.perf.memory import process_group_timeout_minutes
-
-    minutes = process_group_timeout_minutes(
-        model_shape(run.model, run.loss.kind, vocab_size),
-        num_nodes=int(run.trainer.get("num_nodes", 1)),
-        trained_params=lora["trainable_parameters"] if lora else None)
-    return replace(parallel, timeout_minutes=minutes)
-
-
-def compile_layers(run: TrainConfig) -> bool:
-    """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
-    where inductor can; compile=true where it cannot, and an attention implementation compiled
-    layers cannot run, are refused at start)."""
-    try:
-        wanted = compiling.decide(run.compile, device_type(run.trainer))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if wanted and run.model.attention not in ("auto", *COMPILABLE_ATTENTION):
-        raise ConfigError(not_compilable(run.model.attention))
-    return wanted
-
-
-def packed_rows(run: TrainConfig) -> bool:
-    """`stream.packing` for the trainer's device (auto: on CUDA); a wrong value is refused at start."""
-    try:
-        return packing_rows.decide(run.stream.packing, device_type(run.trainer), run.loss.kind)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def transform_config(run: TrainConfig, accumulation: int = 1) -> TransformConfig:
@@ -439,6 +375,7 @@ def run_plan_arguments(train_overrides: list[str]) -> list[str]:
             f"global_batch_size={cfg.global_batch_size}",
             f"max_micro_batch_size={cfg.max_micro_batch_size}", f"kind={cfg.loss.kind}",
             f"sharding={cfg.parallel.sharding}", f"grad_sync={cfg.parallel.grad_sync}",
+            f"activation_checkpointing={str(cfg.parallel.activation_checkpointing).lower()}",
             f"lora.rank={cfg.lora.rank}", f"lora.target_modules=[{','.join(cfg.lora.target_modules)}]"]
     # The plan is a GPU run's: packed and compiled unless the run turns them off.
     if str(cfg.stream.packing).lower() == "false":

@@ -127,6 +127,15 @@ class PromptEncoder:
         self.min_turn_tokens = min_turn_tokens
         self._affixes = self._chat_affixes()
 
+    def least_answer_tokens(self) -> int:
+        """The fewest tokens the length policy shortens an answer to: `min_turn_tokens` and the
+        ellipsis that marks the cut. A check that criteria and query leave the answers room must
+        leave each this much, or it passes prompts that this encoder then drops."""
+        return self.min_turn_tokens + self._marker_tokens()
+
+    def _marker_tokens(self) -> int:
+        return len(self.tokenizer(ELLIPSIS, add_special_tokens=False)["input_ids"])
+
     def _chat_affixes(self) -> tuple[str, str] | None:
         """The chat template's text before and after the user's content, when it is a plain wrapper.
 
@@ -185,7 +194,7 @@ class PromptEncoder:
         contents = [self.tokenizer(m.content, add_special_tokens=False)["input_ids"]
                     for conv in conversations for m in conv]
         excess = len(ids) - self.max_tokens
-        marker = len(self.tokenizer(ELLIPSIS, add_special_tokens=False)["input_ids"])
+        marker = self._marker_tokens()
         lengths = [len(c) for c in contents]
         # Retokenizing a shortened text can merge differently at the cuts: re-check, cut a bit more.
         for _ in range(4):

@@ -19,6 +19,8 @@ token may do, once, in the forms the kernels of crm.models.packing read:
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 
@@ -29,10 +31,15 @@ def split_shared(chosen: list[int], rejected: list[int]) -> tuple[list[int], lis
     the tokens its own row has there, whatever the template or the length policy did. It stops one
     token short of the shorter row: each branch keeps the token the head reads.
     """
-    limit = min(len(chosen), len(rejected)) - 1
-    shared = 0
-    while shared < limit and chosen[shared] == rejected[shared]:
-        shared += 1
+    # Bisected over slices, which compare in C: the training process's main thread runs this for
+    # every pointwise record, and a token-by-token loop cost more than the rest of the layout.
+    shared, limit = 0, max(min(len(chosen), len(rejected)) - 1, 0)  # chosen[:shared] == rejected[:shared]
+    while shared < limit:
+        middle = (shared + limit + 1) // 2
+        if chosen[shared:middle] == rejected[shared:middle]:
+            shared = middle
+        else:
+            limit = middle - 1
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
@@ -42,7 +49,7 @@ def branches(segment: tuple[list[int], ...]) -> tuple[list[int], ...]:
     return segment if len(segment) == 1 else segment[1:]
 
 
-def pack(segments: list[tuple[list[int], ...]]) -> dict:
+def pack(segments: list[tuple[list[int], ...]], views: bool = True) -> dict:
     """The packed row of `segments` and its attention layout (see the module's docstring).
 
     `read` lists the tokens the head reads: every segment's first branch in order, then every
@@ -50,59 +57,79 @@ def pack(segments: list[tuple[list[int], ...]]) -> dict:
     as the padded path orders its rows). All segments have the same number of branches.
     `real_tokens` is the row's length; `padded_tokens` what the right-padded rows of the same
     sequences hold (rows x longest row), the tokens the padded path computes; `attended_tokens`
-    those rows' real tokens.
+    those rows' real tokens. `views=False` leaves out `views` and `owner`, which only the CPU's
+    gather kernel reads (they are the costliest part of the layout).
+
+    Runs on the training process's main thread once per micro batch: Python works per piece (a
+    shared prefix or a branch), torch per token.
     """
     counts = {len(branches(s)) for s in segments}
     if len(counts) > 1:
         raise ValueError(f"segments with different branch counts {sorted(counts)} in one batch")
-    ids: list[int] = []
-    positions: list[int] = []
-    segment_ids: list[int] = []
-    branch_ids: list[int] = []
-    view_rows: list[list[int]] = []
-    owner: list[tuple[int, int]] = []  # per token, in row order: (its view, its place there)
-    reads: list[list[int]] = [[] for _ in range(counts.pop() if counts else 0)]
+    n_branches = counts.pop() if counts else 0
+    # One piece per shared prefix or branch, in row order: its start in the row, its length, the
+    # position of its first token, its segment and branch ids, and the view that computes it
+    # with the place of its first token there.
+    pieces: list[tuple[int, int, int, int, int, int, int]] = []
+    view_spans: list[tuple[int, int, int, int]] = []  # per view: shared start, shared, branch start, branch
+    reads: list[list[int]] = [[] for _ in range(n_branches)]
     starts = [0]
+    flat: list[list[int]] = []
+    end = 0
     for number, segment in enumerate(segments):
         shared = segment[0] if len(segment) > 1 else []
-        shared_tokens = list(range(len(ids), len(ids) + len(shared)))
-        ids += shared
-        positions += range(len(shared))
-        segment_ids += [number] * len(shared)
-        branch_ids += [0] * len(shared)
+        shared_start = end
+        if shared:  # its outputs come from the segment's first view
+            pieces.append((end, len(shared), 0, number, 0, len(view_spans), 0))
+            flat.append(shared)
+            end += len(shared)
         for b, branch in enumerate(branches(segment)):
             if not branch:
                 raise ValueError(f"segment {number}: an empty sequence has no token for the head")
-            view = len(view_rows)
-            if b == 0:  # the first branch's view computes the shared tokens' outputs
-                owner += [(view, place) for place in range(len(shared))]
-            owner += [(view, len(shared) + i) for i in range(len(branch))]
-            view_rows.append(shared_tokens + list(range(len(ids), len(ids) + len(branch))))
-            ids += branch
-            positions += range(len(shared), len(shared) + len(branch))
-            segment_ids += [number] * len(branch)
-            branch_ids += [b + 1 if len(segment) > 1 else 0] * len(branch)
-            reads[b].append(len(ids) - 1)
-        starts.append(len(ids))
-    width = max((len(v) for v in view_rows), default=1)
-    # A view shorter than the widest is filled with its own last token: under causal attention no
-    # real query reaches past its own place, so the filling changes nothing that is kept.
-    views = [v + [v[-1]] * (width - len(v)) for v in view_rows] or [[0]]
-    return {
-        "input_ids": torch.tensor(ids, dtype=torch.long).reshape(1, len(ids)),
-        "position_ids": torch.tensor(positions, dtype=torch.long).reshape(1, len(ids)),
-        "segment_ids": torch.tensor(segment_ids, dtype=torch.int32),
-        "branch_ids": torch.tensor(branch_ids, dtype=torch.int32),
+            pieces.append((end, len(branch), len(shared), number, b + 1 if len(segment) > 1 else 0,
+                           len(view_spans), len(shared)))
+            view_spans.append((shared_start, len(shared), end, len(branch)))
+            flat.append(branch)
+            end += len(branch)
+            reads[b].append(end - 1)
+        starts.append(end)
+    width = max((s + b for _, s, _, b in view_spans), default=1)
+    table = torch.tensor(pieces, dtype=torch.long).reshape(-1, 7)
+    begin, length, first_position, segment_of, branch_of, view_of, place_of = table.unbind(1)
+    tokens = torch.arange(end, dtype=torch.long)
+    offset = torch.repeat_interleave(begin, length)  # per token, its piece's start
+    batch = {
+        "input_ids": torch.tensor(list(chain.from_iterable(flat)), dtype=torch.long).reshape(1, end),
+        "position_ids": (tokens - offset + torch.repeat_interleave(first_position, length)).reshape(1, end),
+        "segment_ids": torch.repeat_interleave(segment_of, length).to(torch.int32),
+        "branch_ids": torch.repeat_interleave(branch_of, length).to(torch.int32),
         "seq_starts": torch.tensor(starts, dtype=torch.int32),
         "max_length": width,
-        "views": torch.tensor(views, dtype=torch.long),
-        "owner": torch.tensor([view * width + place for view, place in owner], dtype=torch.long),
         "read": torch.tensor([t for r in reads for t in r], dtype=torch.long),
-        "real_tokens": len(ids),
+        "real_tokens": end,
         # the views are the rows the padded path computes, padded alike
-        "padded_tokens": len(view_rows) * width,
-        "attended_tokens": sum(map(len, view_rows)),  # the views' real tokens: the S of attention
+        "padded_tokens": len(view_spans) * width,
+        "attended_tokens": sum(s + b for _, s, _, b in view_spans),  # the S of attention
     }
+    if views:
+        batch["views"] = gather_views(view_spans, width)
+        # per token, its output's index in views x width: its view's row, its place there
+        batch["owner"] = torch.repeat_interleave(view_of * width + place_of, length) + tokens - offset
+    return batch
+
+
+def gather_views(view_spans: list[tuple[int, int, int, int]], width: int) -> torch.Tensor:
+    """[views, width] token indices: each view's shared prefix, then its branch, from
+    (shared start, shared length, branch start, branch length) per view."""
+    if not view_spans:
+        return torch.zeros(1, 1, dtype=torch.long)
+    spans = torch.tensor(view_spans, dtype=torch.long)
+    shared_start, shared, branch_start, branch = (column[:, None] for column in spans.unbind(1))
+    place = torch.arange(width, dtype=torch.long)[None, :]
+    # A view shorter than the widest is filled with its own last token: under causal attention no
+    # real query reaches past its own place, so the filling changes nothing that is kept.
+    in_branch = torch.minimum(place - shared, branch - 1)
+    return torch.where(place < shared, shared_start + place, branch_start + in_branch)
 
 
 def unpack(batch: dict) -> list[list[int]]:

@@ -71,7 +71,12 @@ class StreamConfig(StreamSettings):
     prompt template."""
 
     batch_size: int  # records per batch on one rank (the micro batch)
-    packing: bool = True  # resolved: the run's choice (a library user's default: packed)
+    # resolved: the run's choice. A library user's default is padded rows, what crm-train's auto
+    # chooses on CPU and what every device runs; packed rows pay off on CUDA (PERFORMANCE.md 5).
+    packing: bool = False
+    # packed rows: also the views the CPU's gather kernel reads (crm.models.packing.attention_path);
+    # CUDA's kernels read only the ids and the segment starts
+    gather_views: bool = True
     mode: str = "pairwise"  # pointwise: each record gives a chosen and a rejected row, in one batch
     seed: int = 0
     shuffle: bool = True  # False for validation: a fixed order, epoch 0's draws
@@ -247,7 +252,8 @@ class PairStream(IterableDataset):
     def collate(self, examples: list[Encoded], position) -> dict:
         kept = [ex for ex in examples if ex.rows is not None]
         if self.cfg.packing:  # pointwise: criteria + query once, the two responses as branches
-            batch = pack([ex.rows if len(ex.rows) == 1 else split_shared(*ex.rows) for ex in kept])
+            batch = pack([ex.rows if len(ex.rows) == 1 else split_shared(*ex.rows) for ex in kept],
+                         views=self.cfg.gather_views)
             batch["branched"] = self.cfg.mode == "pointwise"
         elif self.cfg.mode == "pairwise":
             batch = pad_rows([ex.rows[0] for ex in kept], self.tokenizer.pad_token_id)

@@ -36,6 +36,10 @@ class TransformSettings:
                 or not 0.0 <= self.swap_prob <= 1.0):
             raise ValueError(f"transform swap_prob={self.swap_prob}: expected a probability in [0, 1]")
 
+    @property
+    def num_labels(self) -> int:
+        return 3 if self.ties == "keep" else 2
+
 
 @dataclass(frozen=True)
 class TransformConfig(TransformSettings):
@@ -55,10 +59,6 @@ class TransformConfig(TransformSettings):
         if isinstance(self.warmup_batches, bool) or not isinstance(self.warmup_batches, int) \
                 or self.warmup_batches < 0:
             raise ValueError(f"transform warmup_batches={self.warmup_batches}: expected an int >= 0")
-
-    @property
-    def num_labels(self) -> int:
-        return 3 if self.ties == "keep" else 2
 
     def at_batch(self, index: int) -> "TransformConfig":
         """The transform of a rank's `index`-th batch of the run (counted over epochs)."""

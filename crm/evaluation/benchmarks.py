@@ -37,6 +37,11 @@ LAYOUTS = ("rewardbench2", "rmbench", "principles", "pairs")
 # RewardBench 2's headline is the mean of these six subsets' figures.
 RB2_SUBSETS = ("Factuality", "Precise IF", "Math", "Safety", "Focus", "Ties")
 RMBENCH_DOMAINS = ("chat", "math", "code", "safety")  # a row's domain starts with one of them
+# RewardBench 2's Ties score exists in two versions; crm computes reward-bench's GitHub main
+# (docs/EVALUATION.md section 5), and metrics.json says so.
+TIES_FORMULA = ("reward-bench main since PR #244: a prompt whose correct answers all score alike "
+                "(spread 0) counts tanh(+-inf) = +-1 in margin_score; the PyPI package rewardbench "
+                "0.1.4 leaves such a prompt out")
 NO_CRITERIA = "none"  # criteria=none: every prompt judged under the empty criteria list
 DEFAULT = "default"  # the criteria key for a subset the config does not name
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -305,13 +310,24 @@ def _check_ties_ids(items: list[Item], rows: list[tuple[str, dict]]) -> None:
 
 
 def _rmbench(row: dict, where: str, criteria: _Criteria, skipped: Counter) -> Item:
-    domain = _text(row, where, "domain")
+    domain = _text(row, where, "domain") if "domain" in row else _file_domain(where)
     if not domain.startswith(RMBENCH_DOMAINS):
         raise BenchmarkError(f"{where}: domain: {domain!r} starts with none of "
                              f"{', '.join(RMBENCH_DOMAINS)}")
     chosen, rejected = _texts(row, where, "chosen", 3), _texts(row, where, "rejected", 3)
     return Item(str(_field(row, where, "id")), domain, _text(row, where, "prompt"),
                 chosen + rejected, criteria(domain), num_correct=3)
+
+
+def _file_domain(where: str) -> str:
+    """A row's RM-Bench domain from its file's name, as RM-Bench's own scripts take it: the
+    domains' files (code_filtered.json, safety-refuse_filtered.json, ...) have no `domain` key."""
+    file = Path(where.rsplit(":", 1)[0])
+    domain = file.stem.split("_")[0]
+    if not domain.startswith(RMBENCH_DOMAINS):
+        raise BenchmarkError(f"{where}: domain: missing, and the file's name {file.name!r} names "
+                             f"no domain ({', '.join(RMBENCH_DOMAINS)}: e.g. code_filtered.json)")
+    return domain
 
 
 def _principles(row: dict, where: str, criteria: _Criteria, skipped: Counter) -> Item:
@@ -387,12 +403,15 @@ def _pairs(row: dict, where: str, criteria: _Criteria, skipped: Counter) -> Item
 def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[list, dict]:
     """(a score per completion for every item, counts): a pointwise CRM's reward, a pairwise CRM's
     round robin (mean win probability over both orders, docs/EVALUATION.md). Items whose criteria
-    and query cannot fit the CRM get NaN scores (counted `unscorable`)."""
+    and query cannot fit the CRM, or whose completions the length policy cannot fit, get NaN
+    scores (an item with any NaN is counted `unscorable`)."""
     from tqdm.auto import tqdm
 
     from crm.inference.reward import CRMReward
 
-    reward = CRMReward(scorer)
+    # A prompt the fit check passes may still be one the encoder drops (a cut that tokenizes
+    # longer): NaN, counted, never an abort of the whole benchmark.
+    reward = CRMReward(scorer, unfit="nan")
     scorer_progress, scorer.progress = scorer.progress, False  # one bar, over prompts
     scores: list = [None] * len(items)
     fitting = reward.fits([(item.criteria, item.query) for item in items])
@@ -410,8 +429,9 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
                 bar.update(len(chunk))
     finally:
         scorer.progress = scorer_progress
+    unscorable = sum(any(math.isnan(v) for v in values) for values in scores)
     counts = {"prompts": len(items), "completions": sum(len(s) for s in scores),
-              "unscorable": len(items) - len(fit), "forwards": reward.counts["forwards"],
+              "unscorable": unscorable, "forwards": reward.counts["forwards"],
               "strategy": reward.strategy}
     return scores, counts
 
@@ -503,9 +523,12 @@ def rewardbench2_metrics(items: Sequence[Item], scores: Sequence[Sequence[float]
             # Summed in order, as reward-bench sums them (numpy's pairwise sum rounds otherwise).
             subsets[subset] = {"n": len(index), "accuracy": sum(results) / len(results)}
     figures = {s: figure("rewardbench2", m) for s, m in subsets.items()}
-    present = [s for s in RB2_SUBSETS if s in figures and figures[s] is not None]
-    return {"score": _mean(figures[s] for s in present),
-            "missing": [s for s in RB2_SUBSETS if s not in present],
+    scored = [s for s in RB2_SUBSETS if figures.get(s) is not None]
+    return {"score": _mean(figures[s] for s in scored),
+            "missing": [s for s in RB2_SUBSETS if s not in figures],  # no row in the file
+            # in the file, without a figure: a Ties subset with no ref:N / tied:N pair
+            "unscored": [s for s in RB2_SUBSETS if s in figures and figures[s] is None],
+            "ties_formula": TIES_FORMULA,
             "subsets": dict(sorted(subsets.items()))}
 
 

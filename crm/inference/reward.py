@@ -79,7 +79,8 @@ class CRMReward:
     def __init__(self, crm: str | Path | CRMScorer, strategy: str | None = None, *,
                  criteria_column: str = "criteria", reference_column: str = "reference",
                  tau: float = 1.0, log_odds: bool = False, cache_size: int = 100_000,
-                 batch_size: int = 16, device=None, dtype=None, name: str | None = None):
+                 batch_size: int = 16, device=None, dtype=None, name: str | None = None,
+                 unfit: str = "raise"):
         self.scorer = crm if isinstance(crm, CRMScorer) else load_crm_scorer(
             crm, batch_size=batch_size, device=device, dtype=dtype)
         kind = self.scorer.kind
@@ -94,6 +95,11 @@ class CRMReward:
         if tau <= 0 or (tau != 1.0 and kind != "pointwise"):
             raise CRMRewardError(f"tau={tau}: the positive temperature of a pointwise CRM's reward "
                                  "differences; a pairwise CRM gives probabilities")
+        # "raise": a completion the length policy cannot fit is an error (an RL reward must never
+        # lose a score silently); "nan": it scores NaN, for evaluations that count them.
+        if unfit not in ("raise", "nan"):
+            raise CRMRewardError(f"unfit={unfit!r}: 'raise' or 'nan'")
+        self.unfit = unfit
         self.criteria_column, self.reference_column = criteria_column, reference_column
         self.tau, self.log_odds = tau, log_odds
         self.cache = LRU(cache_size)
@@ -244,7 +250,8 @@ class CRMReward:
                 todo.setdefault(key, (c, q, a, b))
         if todo:
             probs = self.scorer.pair_probabilities(
-                [PairExample(str(i), c, q, a, b, 0) for i, (c, q, a, b) in enumerate(todo.values())])
+                [PairExample(str(i), c, q, a, b, 0) for i, (c, q, a, b) in enumerate(todo.values())],
+                unfit=self.unfit)
             for key, p in zip(todo, probs.tolist()):
                 wins[key] = p[0] + p[2] / 2
                 self.cache.put(key, wins[key])
@@ -280,7 +287,7 @@ class CRMReward:
             else:
                 todo.setdefault(key, item)
         if todo:
-            scored = self.scorer.score_many(list(todo.values())).tolist()
+            scored = self.scorer.score_many(list(todo.values()), unfit=self.unfit).tolist()
             for key, r in zip(todo, scored):
                 values[key] = r
                 self.cache.put(key, r)
@@ -311,7 +318,7 @@ class CRMReward:
         remembered in the bounded cache."""
         encoder = self.scorer.encoder
         empty = (Message("assistant", ""),)
-        room = (2 if self.scorer.kind == "pairwise" else 1) * encoder.min_turn_tokens
+        room = (2 if self.scorer.kind == "pairwise" else 1) * encoder.least_answer_tokens()
         keys = [_key("fit", criteria, query) for criteria, query in pairs]
         todo: dict[str, str] = {}  # key -> prompt text, in first-seen order
         for key, (criteria, query) in zip(keys, pairs):

@@ -169,11 +169,11 @@ class CRMScorer:
         p = self.compare_many([(criteria, query, a, b)], both_orders=both_orders)[0]
         return Preference(float(p[0]), float(p[2]))
 
-    def score_many(self, items: Sequence[tuple]) -> torch.Tensor:
+    def score_many(self, items: Sequence[tuple], unfit: str = "raise") -> torch.Tensor:
         """Pointwise rewards for [(criteria, query, response)]; response: text or messages."""
         if self.kind != "pointwise":
             raise ValueError("score_many needs a pointwise CRM; a pairwise CRM compares pairs")
-        return self._rewards([(tuple(c), q, as_conversation(r)) for c, q, r in items], "raise")
+        return self._rewards([(tuple(c), q, as_conversation(r)) for c, q, r in items], unfit)
 
     def score(self, criteria: Sequence[str], query: str, response) -> float:
         return float(self.score_many([(criteria, query, response)])[0])

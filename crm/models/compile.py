@@ -35,7 +35,6 @@ from crm.models.backbone import COMPILABLE_ATTENTION, decoder_layers, not_compil
 
 log = logging.getLogger(__name__)
 
-SETTINGS = ("auto", True, False)
 # Training compiles a graph for the train step, one for evaluation (inference mode), and one more
 # for each with a micro batch of one row; past this many, shapes are varying in a way the run should
 # know about.
@@ -50,7 +49,7 @@ def resolve(setting, device_type: str) -> bool:
     """
     if setting == "auto":
         return device_type == "cuda"
-    if setting in (True, False):
+    if setting is True or setting is False:  # not `in (True, False)`: 0, 1 and 1.0 equal those
         return setting
     raise ValueError(f"compile={setting!r}: expected auto, true or false")
 

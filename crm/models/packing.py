@@ -51,6 +51,20 @@ def _varlen_causal() -> dict:
 VARLEN_CAUSAL = _varlen_causal()
 
 
+def _varlen_takes_gqa() -> bool:
+    """Whether varlen_attn reads grouped key/value heads itself (`enable_gqa`, torch 2.13)."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+VARLEN_GQA = _varlen_takes_gqa()
+
+
 class Layout(NamedTuple):
     """What one packed forward's attention reads (passed to every layer as `crm_packing`)."""
 
@@ -80,7 +94,7 @@ def decide(setting, device_type: str, mode: str) -> bool:
     part of the question, as the measurements were per mode."""
     if setting == "auto":
         return device_type == "cuda"
-    if setting in (True, False):
+    if setting is True or setting is False:  # not `in (True, False)`: 0, 1 and 1.0 equal those
         return setting
     raise ValueError(f"stream.packing={setting!r}: expected auto, true or false")
 
@@ -127,25 +141,85 @@ def packed_hidden(model, batch: dict, path: str | None = None) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(batch["owner"], 0)
         layout = Layout(path, views=batch["views"], owner=batch["owner"])
     elif path == "varlen":
+        # The segment count varies too; the longest segment, an int, turns dynamic at its
+        # first change (dynamo's automatic dynamic shapes): two graphs, not one per batch.
+        torch._dynamo.maybe_mark_dynamic(batch["seq_starts"], 0)
         layout = Layout(path, seq_starts=batch["seq_starts"], max_length=batch["max_length"])
     else:
-        layout = Layout(path, block_mask=block_mask(batch["segment_ids"], batch["branch_ids"]))
+        mask = block_mask(batch["segment_ids"], batch["branch_ids"])
+        mark_tiles_dynamic(mask)
+        layout = Layout(path, block_mask=mask)
     hidden = model.model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False,
                          crm_packing=layout).last_hidden_state
     return hidden[0, batch["read"]]
 
 
+BLOCK = 128  # FlexAttention's default sparse block: the mask is described per 128 x 128 tile
+
+
+def mark_tiles_dynamic(mask) -> None:
+    """The block mask's tile counts are symbols of a compiled layer's graph, as the row length
+    is: a row of another length is not another graph (toward dynamo's limit of 8, which raises
+    under fullgraph). The first graph still has the row length fixed (the mask's lengths are ints,
+    dynamic from their first change on), and a row of one tile (under 128 tokens) is one more, as
+    dynamo specialises a size of 1."""
+    for tensor in (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                   mask.full_kv_indices, mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks,
+                   mask.full_q_indices):
+        if tensor is not None:
+            torch._dynamo.maybe_mark_dynamic(tensor, tuple(range(2, tensor.dim())))
+
+
 def block_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor):
     """FlexAttention's block mask of a packed row: a token sees the earlier tokens of its own
-    segment that are in the shared prefix (branch 0) or in its own branch."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    segment that are in the shared prefix (branch 0) or in its own branch.
+
+    Built from per-tile bounds, never from the [T, T] mask: create_block_mask without compile
+    evaluates the mask at every pair (about 10 bytes x T^2: 1.6 GiB at 12,800 tokens), where a
+    tile's segment and branch ranges decide it. A tile is full when its queries and keys lie in
+    one piece each (a segment's prefix or branch), keys in the query's segment, earlier, in its
+    prefix or its branch; skipped when causality, an earlier segment or another branch rules it
+    out; else partial, where the kernel applies `keep` per pair. Memory: a few (T/128)^2 tensors.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     def keep(batch, head, q, kv):
         same_branch = (branch_ids[kv] == 0) | (branch_ids[kv] == branch_ids[q])
         return (segment_ids[q] == segment_ids[kv]) & (kv <= q) & same_branch
 
     n = segment_ids.shape[0]
-    return create_block_mask(keep, None, None, n, n, device=segment_ids.device)
+    tiles = max(-(-n // BLOCK), 1)
+
+    def bounds(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = torch.nn.functional.pad(ids.long(), (0, tiles * BLOCK - n), value=-1)
+        # the tail's filling (-1) never counts as the tile's smallest or largest real id
+        rows = padded.view(tiles, BLOCK)
+        real = rows >= 0
+        low = torch.where(real, rows, torch.iinfo(torch.long).max).amin(1)
+        return low, torch.where(real, rows, -1).amax(1)
+
+    seg_low, seg_high = bounds(segment_ids)
+    branch_low, branch_high = bounds(branch_ids)
+    one_piece = (seg_low == seg_high) & (branch_low == branch_high)
+    index = torch.arange(tiles, device=segment_ids.device)
+    q, kv = index[:, None], index[None, :]
+    same_piece_segment = one_piece[:, None] & one_piece[None, :] & (seg_low[:, None] == seg_low[None, :])
+    kv_branch, q_branch = branch_low[None, :], branch_low[:, None]
+    other_branch = same_piece_segment & (kv_branch != 0) & (kv_branch != q_branch)
+    maybe = (kv <= q) & (seg_high[None, :] >= seg_low[:, None]) & ~other_branch
+    full = (kv < q) & same_piece_segment & ((kv_branch == 0) | (kv_branch == q_branch))
+    if n % BLOCK:  # the last tile holds fewer than BLOCK real tokens: never full
+        full[-1, :] = False
+        full[:, -1] = False
+    partial = maybe & ~full
+
+    def listed(tiles_kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = tiles_kept.sum(-1, dtype=torch.int32)
+        order = torch.argsort(tiles_kept.to(torch.int32), dim=-1, descending=True, stable=True)
+        return counts[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=BLOCK, mask_mod=keep,
+                                    seq_lengths=(n, n))
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -170,10 +244,14 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         dtype = value.dtype if not torch.is_autocast_enabled("cuda") else torch.get_autocast_dtype("cuda")
         q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
         groups = q.shape[1] // k.shape[1]
-        if groups > 1:
+        grouped = {}
+        if groups > 1 and VARLEN_GQA:  # no copy of the keys and values per query head
+            grouped = {"enable_gqa": True}
+        elif groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         starts, longest = crm_packing.seq_starts, crm_packing.max_length
-        out = varlen_attn(q, k, v, starts, starts, longest, longest, scale=scaling, **VARLEN_CAUSAL)
+        out = varlen_attn(q, k, v, starts, starts, longest, longest, scale=scaling, **VARLEN_CAUSAL,
+                          **grouped)
         return out.unsqueeze(0), None
     # Inside a compiled layer dynamo captures flex_attention itself; an eager layer calls the
     # compiled function (built outside any trace).

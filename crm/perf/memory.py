@@ -97,6 +97,11 @@ class PrecisionBytes:
     compute: int  # all-gathered parameters and activations
 
 
+# The share of a packed pointwise row that is criteria + query, where the data's is not known:
+# crm-plan's default prompt_share (configs/plan.yaml says where it was measured) and what crm-train
+# plans parallel.sharding=auto with, so that the two decide alike.
+PLANNED_PROMPT_SHARE = 0.2
+
 PRECISIONS: dict[str, PrecisionBytes] = {
     "bf16-mixed": PrecisionBytes(param=4, grad=4, optimizer=8, compute=2),
     "bf16-true": PrecisionBytes(param=2, grad=2, optimizer=4, compute=2),

@@ -57,7 +57,7 @@ class Preemption(L.Callback):
         self.preempted = False  # the run saved and stopped because of it
         self.step = 0  # the optimizer step of the last step boundary seen
         self.group = None  # the CPU process group of the flags (several ranks)
-        self._previous_handler = None  # of `signum`, restored at teardown
+        self._previous_handler = None  # of `signum`, restored by release()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -82,7 +82,21 @@ class Preemption(L.Callback):
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        # The run goes on after fit (export, evaluation, metrics.json), and the warning may come
+        # now: launch/train.sbatch asks for it 120 s before the limit, and SIGUSR1's default
+        # action terminates. Until `release`, a late warning is logged and changes nothing: there
+        # is no training left to save, and what follows is shorter than a requeued job's restart.
         # SIGTERM's handler goes back with Lightning's own (it restores what it found).
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, self._after_training)
+
+    def _after_training(self, signum, frame) -> None:
+        log.warning("%s after training: ignored; the export, the evaluation and metrics.json "
+                    "go on", signal.Signals(signum).name)
+
+    def release(self) -> None:
+        """The warning signal's handler from before `setup`, back (the run is over: train() calls
+        this after metrics.json, on every rank)."""
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(self.signum, self._previous_handler)
             self._previous_handler = None

@@ -158,8 +158,9 @@ def test_missing_or_empty_criteria_are_one_line_errors(columns, message):
 
 def test_criteria_too_long_for_the_model_are_refused():
     reward = CRMReward(tiny_scorer(max_tokens=200), "round_robin")
+    # each answer needs 16 tokens and the 7-token ellipsis the length policy marks a cut with
     with pytest.raises(CRMRewardError, match=r"row 0: the criteria and query take \d+ tokens; the "
-                                             r"CRM reads at most 200 with 32 left for the answers"):
+                                             r"CRM reads at most 200 with 46 left for the answers"):
         call(reward, [Q1, Q1], ["a", "b"], criteria=["the a of " * 100])
 
 

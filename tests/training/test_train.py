@@ -149,7 +149,7 @@ def test_world_size_and_accumulation_of_the_trainer_configs():
 def test_the_process_group_timeout_is_a_setting_the_strategy_gets(tmp_path):
     from datetime import timedelta
 
-    from crm.cli.train import resolve_timeout
+    from crm.training.resolve import resolve_timeout
     from crm.perf.flops import model_shape
     from crm.perf.memory import process_group_timeout_minutes
     from crm.training.parallel import ParallelConfig

@@ -1,0 +1,87 @@
+"""Private internals of pinned libraries that crm replaces or subclasses, checked on the real
+objects of the installed versions: each still exists and is still what the library calls, so that
+an upgrade that renames or bypasses one fails here instead of silently doing nothing.
+
+- Lightning: the epoch loop's `_broadcast_sigterm_tensor` (crm.training.preemption) and
+  `_should_check_val_fx`, `_should_check_val_epoch`, `_should_accumulate`, the fit loop's
+  `_can_stop_early` (crm.training.trainer.validate_on_step_boundaries);
+- uvicorn: H11Protocol's hooks and attributes that crm.core.http's deadline uses;
+- Gradio: Blocks.queue's arguments and Blocks.validate_inputs, looked up on the instance
+  (crm.app.page);
+- Hydra: hydra._internal.utils.run_and_report, looked up by name when a command runs
+  (crm.cli.common.install).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+
+def calls(function, name: str) -> bool:
+    """Whether `function`'s source calls `self.<name>(` or `<name>(`: the lookup a replacement
+    relies on."""
+    source = inspect.getsource(function)
+    return f"self.{name}(" in source or f" {name}(" in source
+
+
+def test_lightnings_loop_internals_that_crm_replaces_are_what_it_calls(tmp_path):
+    import lightning as L
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=str(tmp_path))
+    loop = trainer.fit_loop.epoch_loop
+    for name in ("_broadcast_sigterm_tensor", "_should_check_val_fx", "_should_check_val_epoch",
+                 "_should_accumulate"):
+        assert callable(getattr(loop, name, None)), f"_TrainingEpochLoop.{name} is gone"
+    assert isinstance(trainer.fit_loop._can_stop_early, bool)
+    # The epoch loop calls both through the instance, so replacing them there takes effect.
+    source = inspect.getsource(_TrainingEpochLoop)
+    assert "self._broadcast_sigterm_tensor()" in source
+    assert "self._should_check_val_fx(" in source
+    assert list(inspect.signature(loop._should_check_val_fx).parameters) == ["data_fetcher"]
+
+
+def test_uvicorns_h11_protocol_has_the_hooks_the_head_deadline_uses():
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.server import ServerState
+
+    async def app(scope, receive, send):  # pragma: no cover - never called
+        pass
+
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = H11Protocol(config=uvicorn.Config(app), server_state=ServerState(), app_state={},
+                               _loop=loop)
+        for name in ("connection_made", "on_response_complete", "connection_lost"):
+            assert callable(getattr(protocol, name, None)), f"H11Protocol.{name} is gone"
+        for name in ("loop", "cycle", "transport", "client"):
+            assert hasattr(protocol, name) or name in inspect.getsource(H11Protocol), name
+        assert protocol.loop is loop and protocol.cycle is None
+        # a response's end calls the hook crm re-arms the deadline from
+        assert calls(H11Protocol, "on_response_complete")
+    finally:
+        loop.close()
+
+
+def test_gradios_queue_and_validate_inputs_are_what_blocks_call():
+    gr = pytest.importorskip("gradio")
+
+    with gr.Blocks() as page:
+        gr.Textbox()
+    parameters = inspect.signature(page.queue).parameters
+    assert {"max_size", "default_concurrency_limit"} <= set(parameters)
+    assert list(inspect.signature(page.validate_inputs).parameters)[:2] == ["block_fn", "inputs"]
+    assert "self.validate_inputs(" in inspect.getsource(gr.Blocks)
+
+
+def test_hydras_run_and_report_is_looked_up_by_name_when_a_command_runs():
+    from hydra._internal import utils
+
+    assert callable(utils.run_and_report)
+    assert list(inspect.signature(utils.run_and_report).parameters) == ["func"]
+    # _run_hydra reads the module's global at call time: crm's replacement of it is what runs
+    assert calls(utils._run_hydra, "run_and_report")
