@@ -330,7 +330,7 @@ def _ppi(cells, parts, interval: Bootstrap, votes, overall) -> list:
     data = []
     for part in parts:
         voted = [o for o in part if (o.idx, o.model) in votes]
-        data.append(CellData([o.result == WIN for o in part], [o.result == WIN for o in voted],
+        data.append(CellData([o.p_win for o in part], [o.p_win for o in voted],
                              [votes[o.idx, o.model] == WIN for o in voted]))
     is_overall = {id(c) for c in overall}
     groups = [[i for i, c in enumerate(cells) if id(c) in is_overall],

@@ -8,8 +8,9 @@ estimator that pools the CRM's error across a board's models, which 30-100 votes
 models need (a model gets a handful of votes).
 
 One group is the cells that pool their evidence: a board's Overall cells (one per model), or its
-(model, topic) cells. For each cell c: f = the CRM's win indicator on each of its N_c pairs,
-and on its n_c voted pairs the user's win indicator Y with the CRM's f beside it.
+(model, topic) cells. For each cell c: f = the CRM's prediction on each of its N_c pairs (the
+leaderboard passes its P(win)), and on its n_c voted pairs the user's win indicator Y with the
+CRM's f beside it.
 
 - The estimand is the cell's win rate as the user would judge all its N_c pairs: the board's
   question, which model this user prefers on these queries. The CRM has judged every one of them,
@@ -50,8 +51,8 @@ MIN_VOTES = 20
 
 @dataclass(frozen=True)
 class CellData:
-    """One cell's inputs: the CRM's win indicator on all its pairs and on its voted pairs, and the
-    user's win indicator on the voted pairs (same order)."""
+    """One cell's inputs: the CRM's prediction (P(win), or its 0/1 verdict) on all its pairs and
+    on its voted pairs, and the user's win indicator on the voted pairs (same order)."""
 
     predictions: Sequence[float]
     voted_predictions: Sequence[float] = ()
