@@ -153,8 +153,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--demo-seed", type=int, default=0, help="the bench's generator seed")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--spread-level", type=float, default=None,
+                        help="the confidence level of PPI's tau^2 bound (crm.evaluation.ppi."
+                             "SPREAD_LEVEL, 0.95): a study of the estimator, not a setting")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.spread_level is not None:
+        import crm.evaluation.ppi
+
+        crm.evaluation.ppi.SPREAD_LEVEL = args.spread_level
 
     import torch
 
@@ -194,6 +201,7 @@ def main() -> None:
         "users_per_kind": {"train_wordings": args.users * args.sets,
                            "heldout_wordings": args.users * args.sets},
         "votes_per_user": args.votes, "level": args.level, "user_noise": args.noise,
+        "spread_level": args.spread_level or 0.95,
         "criteria_sets": len(sets), "crm_sequences": int(scorer.counts["sequences"]),
         **{f"{user}_user": {
             "train_wordings": summarise(cases["train", user]),

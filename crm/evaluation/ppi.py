@@ -47,6 +47,10 @@ import numpy as np
 # Below this many votes in a group, s^2 and tau^2 rest on too few residuals for a normal interval
 # (a handful of binary residuals often has variance 0): the cells report no interval.
 MIN_VOTES = 20
+# The confidence level of tau^2's upper bound. At 0.5 (tau^2's median-unbiased estimate) the demo
+# study pooled more and covered 0.83-0.86 (docs/EVALUATION.md section 7): the bound is what keeps
+# the intervals at their level. benchmarks/usl_coverage.py --spread-level sets it for that study.
+SPREAD_LEVEL = 0.95
 
 
 @dataclass(frozen=True)
@@ -124,15 +128,16 @@ def ppi_group(cells: Sequence[CellData], min_votes: int = MIN_VOTES) -> list[Est
     return out
 
 
-def _spread_upper_bound(rect: dict, counts: dict, s2: float, level: float = 0.95) -> float:
+def _spread_upper_bound(rect: dict, counts: dict, s2: float) -> float:
     """The Q-profile upper confidence bound of the rectifiers' variance across cells: the tau^2
     where Q(tau^2) = sum_c w_c (d_c - d)^2, w_c = 1 / (s^2 / n_c + tau^2), d their weighted mean,
-    falls to the chi-square (K - 1) quantile at 1 - level (Q decreases in tau^2: bisection)."""
+    falls to the chi-square (K - 1) quantile at 1 - SPREAD_LEVEL (Q decreases in tau^2:
+    bisection)."""
     from scipy.stats import chi2
 
     if len(rect) < 2:
         return 0.0
-    target = float(chi2.ppf(1 - level, len(rect) - 1))
+    target = float(chi2.ppf(1 - SPREAD_LEVEL, len(rect) - 1))
     d = np.array(list(rect.values()))
     noise = s2 / np.array([counts[i] for i in rect], dtype=float)
 
