@@ -14,9 +14,10 @@ the page gets a one-line notice.
 The page is served by uvicorn with the guards of crm/core/http.py (Gradio's own launch sets none):
 each request's head and body due within `read_timeout` seconds, idle connections closed after
 `keep_alive`, 503 past `connections`, bodies over `max_body` bytes refused (413) before Gradio reads
-them; Gradio's upload route takes at most `max_upload` bytes (the page has no upload field), the
-files Gradio keeps (CSV downloads, uploads) are deleted once `file_age` seconds old and at exit,
-and the per-board CSVs are bounded (MAX_CSV files) and deleted at exit.
+them; Gradio's upload route takes at most `max_upload` bytes (16 KiB: a votes file of about 250
+votes, the page's one upload), the files Gradio keeps (CSV downloads, uploads) are deleted once
+`file_age` seconds old and at exit, and the per-board CSVs and votes files are bounded (MAX_CSV
+files each) and deleted at exit.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +44,11 @@ import pandas as pd
 import uvicorn
 from fastapi import FastAPI
 
+from crm.app.calibrate import SUGGESTED, Calibration, sides, write_votes
 from crm.app.service import BoardError, Leaderboards
 from crm.core.http import BodyLimit, server_config
 from crm.evaluation.leaderboard import DEFAULT_CRITERIA
-from crm.evaluation.render import interval
+from crm.evaluation.render import interval, rank_set
 
 log = logging.getLogger("crm.app")
 
@@ -67,6 +70,13 @@ CSS = """
            var(--neutral-500)}
 """
 URL_KEYS = ("criteria", "contrast", "topics", "describe", "k")
+CALIBRATE_HELP = (
+    "The intervals above take the CRM's verdict for yours. Judge the pairs below under your "
+    "criteria (30-100 is plenty) and the board is recomputed after each answer with intervals "
+    "that carry the CRM's own error (prediction-powered inference) and the ranks each model can "
+    "hold. The pairs are a random sample spread over the models and topics: skip any you cannot "
+    "judge, but do not pick. Your votes stay in this page and the file you download; upload it "
+    "again to continue.")
 DEFAULT_K = 20
 MAX_CSV = 256  # per-board CSV files kept (the oldest deleted first)
 
@@ -79,7 +89,7 @@ class HttpLimits:
     keep_alive: float = 5.0
     connections: int = 256
     max_body: int = 2**20
-    max_upload: int = 1024
+    max_upload: int = 16384
     file_age: int = 3600
 
 
@@ -88,11 +98,14 @@ class HttpLimits:
 def table(doc: dict) -> pd.DataFrame:
     """Rank, Rank (UB), Model, Overall (%), its interval, then one column per topic (win rate %)."""
     level = f"{100 * doc['interval']['level']:.0f}% CI"
+    calibrated = doc["interval"]["method"] == "ppi"
     rows = []
     for row in doc["rows"]:
         overall = row["overall"]
-        rows.append({"Rank": row["rank"], "Rank (UB)": row["rank_ub"], "Model": row["model"],
+        rows.append({"Rank": row["rank"], "Rank (UB)": row["rank_ub"],
+                     **({"Rank set": rank_set(row)} if calibrated else {}), "Model": row["model"],
                      "Overall (%)": _pct(overall["win_rate"]), level: interval(overall),
+                     **({"Votes": overall["votes"]} if calibrated else {}),
                      **{t: _pct(row["topics"][t]["win_rate"]) for t in doc["topics"]}})
     return pd.DataFrame(rows)
 
@@ -121,6 +134,16 @@ def info(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def trust(doc: dict) -> str:
+    """What the board's intervals rest on, in a few words."""
+    if doc["interval"]["method"] != "ppi":
+        return "the intervals assume the CRM's verdict is yours"
+    notes = [r["overall"]["interval_note"] for r in doc["rows"] if "interval_note" in r["overall"]]
+    used = doc["votes"]["used"]
+    return (f"prediction-powered intervals from {used} of your votes"
+            + (f" ({text(notes[0])})" if notes else ", with the CRM's error"))
+
+
 def chart(doc: dict) -> str:
     """Overall win rates as bars, each with its interval, and the 50% line (plain HTML: no
     plotting library on the server or in the page)."""
@@ -139,7 +162,8 @@ def chart(doc: dict) -> str:
     level = 100 * doc["interval"]["level"]
     return (f'<div class="usl-chart" role="img" aria-label="Overall win rate per model">'
             f'<p>Overall win rate against {html.escape(doc["baseline"])}, with its {level:.0f}% '
-            f'interval (dashed: 50%)</p>{"".join(bars)}</div>')
+            f'interval (dashed: 50%); {trust(doc)}</p>'
+            f'{"".join(bars)}</div>')
 
 
 def write_csv(frame: pd.DataFrame, directory: Path, keep: int = MAX_CSV) -> Path:
@@ -238,7 +262,25 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                     drill_status = gr.Markdown()
                     examples = gr.Dataframe(interactive=False, wrap=True, max_height=600,
                                             elem_id="drill")
+                with gr.Accordion("Calibrate with your votes", open=False, elem_id="calibrate"):
+                    gr.Markdown(CALIBRATE_HELP)
+                    vote_status = gr.Markdown(elem_id="vote-status")
+                    vote_pair = gr.Markdown(elem_id="vote-pair")
+                    with gr.Row():
+                        response_a = gr.Markdown(elem_id="response-a")
+                        response_b = gr.Markdown(elem_id="response-b")
+                    with gr.Row():
+                        answers = {choice: gr.Button(label, elem_id=f"vote-{choice.lower()}")
+                                   for choice, label in (("A", "A is better"), ("B", "B is better"),
+                                                         ("tie", "Tie"), ("skip", "Skip"))}
+                    with gr.Row():
+                        votes_file = gr.DownloadButton("Download your votes (JSONL)",
+                                                       visible=False, size="sm",
+                                                       elem_id="votes-download")
+                        votes_upload = gr.UploadButton("Upload votes", file_types=[".jsonl"],
+                                                       size="sm", elem_id="votes-upload")
                 state = gr.State()
+                calibration = gr.State()
 
         def generate(criteria_text, contrast_text, chosen_topics, describe_text, k_value,
                      progress=gr.Progress()) -> dict:
@@ -261,11 +303,58 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                 return {status: "**Internal error:** the server logged it; please report it."}
             frame = table(doc)
             query = link(criteria_set, contrast_set, choice.topics, choice.describe, k_value)
+            fresh = Calibration(tuple(service.suggestions(criteria_set, choice, SUGGESTED)))
             return {status: "", board_info: info(doc), board: frame, board_chart: chart(doc),
                     download: gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
                     share: f"[Link to this board]({query})", **contrast_view(versus),
                     model: gr.update(choices=list(service.models), value=None), examples: None,
-                    state: (criteria_set, choice)}
+                    state: (criteria_set, choice), calibration: fresh,
+                    votes_file: gr.update(visible=False), **pair_view(fresh),
+                    vote_status: "No votes yet: the board's intervals take the CRM for you."}
+
+        def pair_view(current: Calibration) -> dict:
+            if not current.queue:
+                return {vote_pair: "No more suggested pairs for this board.", response_a: "",
+                        response_b: ""}
+            line = current.queue[0]
+            shown_a, shown_b = sides(line)
+            return {vote_pair: ("**Your criteria:** " + " · ".join(f"“{text(c)}”"
+                                                                   for c in line["criteria"])
+                                + f"\n\n**Query:** {text(line['prompt'])}"),
+                    response_a: f"**A**\n\n{text(shown_a)}",
+                    response_b: f"**B**\n\n{text(shown_b)}"}
+
+        def recalibrate(current: Calibration, board_state) -> dict:
+            """The board again with PPI intervals and rank sets from the votes so far."""
+            started = time.perf_counter()
+            doc = service.calibrated(*board_state, current.votes)
+            frame = table(doc)
+            seconds = time.perf_counter() - started
+            return {board_info: info(doc), board: frame, board_chart: chart(doc),
+                    download: gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
+                    calibration: current, **pair_view(current),
+                    votes_file: gr.update(value=str(write_votes(current.votes, csv_dir)),
+                                          visible=True),
+                    vote_status: (f"{len(current.votes)} votes, {current.answered} pairs "
+                                  f"answered; {trust(doc)}. Board recomputed in {seconds:.2f} s.")}
+
+        def answer(choice: str) -> Callable:
+            def handle(current: Calibration | None, board_state) -> dict:
+                if current is None or board_state is None:
+                    return {vote_status: "Generate a board first."}
+                try:
+                    return recalibrate(current.answer(choice), board_state)
+                except BoardError as exc:
+                    return {vote_status: f"**Cannot recompute:** {text(str(exc))}"}
+            return handle
+
+        def upload(path, current: Calibration | None, board_state) -> dict:
+            if current is None or board_state is None:
+                return {vote_status: "Generate a board first, then upload its votes."}
+            try:
+                return recalibrate(current.with_votes(service.read_votes(path)), board_state)
+            except BoardError as exc:
+                return {vote_status: f"**Cannot use the votes:** {text(str(exc))}"}
 
         def contrast_view(versus: dict | None) -> dict:
             if versus is None:
@@ -313,11 +402,19 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
             return {**form, **generate(form[criteria], form[contrast], picked, form[describe],
                                        k_value, progress)}
 
+        boards = dict(concurrency_limit=None, concurrency_id="boards")
+        calibration_outputs = [vote_status, vote_pair, response_a, response_b, votes_file,
+                               calibration]
         board_outputs = [status, board_info, board, board_chart, download, share, versus_group,
-                         versus_info, left, right, model, examples, state]
+                         versus_info, left, right, model, examples, state, *calibration_outputs]
+        recalibrated = [board_info, board, board_chart, download, *calibration_outputs]
+        for choice, button_of in answers.items():
+            button_of.click(answer(choice), [calibration, state], recalibrated,
+                            api_visibility="private", **boards)
+        votes_upload.upload(upload, [votes_upload, calibration, state], recalibrated,
+                            api_visibility="private", **boards)
         select_all.click(lambda: topics, outputs=chosen, queue=False, api_visibility="private")
         clear_all.click(lambda: [], outputs=chosen, queue=False, api_visibility="private")
-        boards = dict(concurrency_limit=None, concurrency_id="boards")
         button.click(generate, [criteria, contrast, chosen, describe, k], board_outputs,
                      api_visibility="private", show_progress_on=[board], **boards)
         model.change(drill, [model, state], [examples, drill_status], api_visibility="private",
@@ -373,12 +470,28 @@ class GradioServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, page: gr.Blocks, gradio_app):
         super().__init__(config)
         self.page, self.gradio_app = page, gradio_app
+        self.started_at = time.time()
 
     async def shutdown(self, sockets=None) -> None:
         self.page._queue.close()
         self.page.is_running = False
         self.gradio_app.stop_event.set()
         await super().shutdown(sockets)
+        self.remove_upload_leftovers()
+
+    def remove_upload_leftovers(self) -> None:
+        """Gradio's multipart parser leaves an empty temporary file at the top of its upload
+        folder for each upload of the votes file (the content goes to its cache, which it deletes
+        itself): the empty `tmp*` files made there since this server started are removed."""
+        from gradio.utils import get_upload_folder
+
+        for path in Path(get_upload_folder()).glob("tmp*"):
+            try:
+                stat = path.stat()
+                if path.is_file() and stat.st_size == 0 and stat.st_mtime >= self.started_at - 1:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
 
 
 def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None = None,

@@ -16,15 +16,19 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from crm.app.cache import VerdictCache, verdict_key
 from crm.app.similarity import QueryIndex
 from crm.core.lru import LRU
-from crm.evaluation.leaderboard import Bootstrap, Outcome, Selection, judge, kendall_tau, pairs, win_rates
+from crm.evaluation.leaderboard import (Bootstrap, Outcome, Selection, interval_doc, judge,
+                                       kendall_tau, pairs, win_rates)
+from crm.core.records import RecordError
+from crm.evaluation.suggest import suggest_pairs, suggestion_lines
+from crm.evaluation.votes import read_votes
 from crm.models.export import META, read_meta
 
 Progress = Callable[[int, int], None]  # (queries judged, queries in all)
@@ -251,13 +255,44 @@ class Leaderboards:
                    "examples": len({o.idx for o in outcomes}), "models": list(self.models),
                    "baseline": self.selection.baseline, "version": self.version,
                    "both_orders": self.both_orders,
-                   "interval": {**asdict(self.interval),
-                                "method": "percentile bootstrap over queries"},
+                   "interval": interval_doc(self.interval, "bootstrap"),
                    "rows": win_rates(outcomes, self.models, choice.topics, self.interval)}
             if choice.idx is not None:
                 doc["similar_to"] = choice.describe
             self.boards.put(memo, doc)
         return doc
+
+    def calibrated(self, criteria: tuple[str, ...], choice: Choice,
+                   votes: Mapping[tuple[str, str], str]) -> dict:
+        """The board with PPI intervals and rank sets from the user's votes ((idx, model) ->
+        verdict); votes on queries outside `choice` are left out and counted. No model call once
+        the board was scored: its verdicts are cached."""
+        doc = dict(self.board(criteria, choice))
+        outcomes = [o for o in self.verdicts(criteria) if o in choice]
+        chosen = {o.idx for o in outcomes}
+        used = {k: v for k, v in votes.items() if k[0] in chosen}
+        spec = replace(self.interval, method="ppi")
+        doc.update(rows=win_rates(outcomes, self.models, choice.topics, spec, used),
+                   interval=interval_doc(spec, "ppi"),
+                   votes={"used": len(used), "outside_choice": len(votes) - len(used)})
+        return doc
+
+    def suggestions(self, criteria: tuple[str, ...], choice: Choice, n: int,
+                    exclude=frozenset()) -> list[dict]:
+        """crm-leaderboard's suggested_votes lines for this board's examples (crm.evaluation.suggest)."""
+        records = tuple(r for r in self.selection.records if r.topic in choice.topics
+                        and (choice.idx is None or r.idx in choice.idx))
+        sub = replace(self.selection, records=records, topics=choice.topics)
+        return suggestion_lines(sub, suggest_pairs(sub, n, self.interval.seed, exclude), criteria)
+
+    def read_votes(self, path: str) -> dict[tuple[str, str], str]:
+        """An uploaded votes file, checked as crm-leaderboard checks it; a defect is a BoardError
+        naming the line and the field."""
+        try:
+            votes = read_votes(path, self.selection)
+        except (RecordError, OSError) as exc:
+            raise BoardError(f"Votes file: {exc}".replace(str(path), "line")) from None
+        return dict(votes.used)
 
     def contrast(self, criteria: tuple[str, ...], other: tuple[str, ...], choice: Choice,
                  progress: Progress | None = None) -> dict:

@@ -1,16 +1,19 @@
 """crm-leaderboard: rank the models of a benchmark for one user's criteria.
 
     crm-leaderboard checkpoint=DIR bench=FILE baseline=NAME 'criteria=["line 1","line 2"]'
-                    [topics=[...]] ['contrast=[...]'] [default=true]
+                    [topics=[...]] ['contrast=[...]'] [default=true] [votes=FILE]
 
 Writes leaderboard.json, leaderboard.md and leaderboard.png into outputs/leaderboard/<name>.
 `default=true` ranks under `default_criteria` (the crowd's average preference) instead of
 `criteria`; with `contrast` it is compared with another criteria set (Kendall tau). `checkpoint`
 is an export dir or a crm-train checkpoint (the former `model=DIR` still works, with a deprecation
-message).
+message). `votes=FILE` (the user's own verdicts on a few pairs, crm.evaluation.votes) makes the
+criteria board's intervals prediction-powered (interval.method=auto|bootstrap|ppi);
+`suggest_votes=N` writes suggested_votes.jsonl, the next N pairs to vote on (crm.evaluation.suggest).
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -26,7 +29,10 @@ from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, lo
                             one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
-from crm.evaluation.leaderboard import Bootstrap, leaderboard, select
+from crm.core.records import RecordError
+from crm.evaluation.leaderboard import Bootstrap, interval_method, leaderboard, select
+from crm.evaluation.suggest import suggest_pairs, suggestion_lines
+from crm.evaluation.votes import read_votes
 from crm.evaluation.render import markdown, plot
 
 log = logging.getLogger("crm.evaluation.leaderboard")
@@ -53,8 +59,11 @@ class LeaderboardConfig(ScorerSettings):
     default: bool = MISSING
     default_criteria: list[str] = MISSING
     labels: Labels = MISSING
-    both_orders: bool = MISSING
+    both_orders: Any = MISSING  # true, false or auto (from the slot-bias measurement)
+    slot_sample: int = MISSING
     interval: Bootstrap = field(default_factory=Bootstrap)
+    votes: Any = MISSING  # null, or the user's votes file
+    suggest_votes: int = MISSING
     strict: bool = MISSING
 
 
@@ -84,6 +93,20 @@ def criteria_sets(cfg: LeaderboardConfig) -> tuple[list[str], list[str], tuple[s
     return criteria, contrast, labels
 
 
+def user_votes(cfg: LeaderboardConfig, selection):
+    """The votes file checked line by line against the selection, before any model loads."""
+    if cfg.votes is not None and not Path(str(cfg.votes)).is_file():
+        raise ConfigError(f"votes={cfg.votes}: no such file")
+    try:
+        votes = None if cfg.votes is None else read_votes(str(cfg.votes), selection)
+        interval_method(cfg.interval, votes)
+    except (RecordError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    if votes is not None and (votes.outside_topics or votes.on_rejected_lines):
+        log.warning("votes: %s", votes.counts)
+    return votes
+
+
 def run(cfg: DictConfig) -> dict:
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -103,14 +126,30 @@ def run(cfg: DictConfig) -> dict:
         if cfg.strict:
             raise ValueError(f"{cfg.bench}: {len(selection.rejects)} benchmark lines rejected "
                              f"(strict=true); first: {selection.rejects[0]}")
+    votes = user_votes(cfg, selection)
+    if cfg.both_orders not in (True, False, "auto"):
+        raise ConfigError(f"both_orders={cfg.both_orders}: true, false or auto")
+    if cfg.slot_sample < 0 or (cfg.both_orders == "auto" and not cfg.slot_sample):
+        raise ConfigError(f"slot_sample={cfg.slot_sample}: pairs judged in both orders to measure "
+                          "slot bias (>= 0; both_orders=auto needs at least 1)")
+    if cfg.suggest_votes < 0:
+        raise ConfigError(f"suggest_votes={cfg.suggest_votes}: a number of pairs, 0 for none")
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg)
     result = leaderboard(scorer, selection, criteria, contrast or None,
                          both_orders=cfg.both_orders, labels=labels,
-                         interval=cfg.interval)
+                         interval=cfg.interval, votes=votes, slot_sample=cfg.slot_sample)
     result.update(model=str(cfg.checkpoint), kind=scorer.kind,
                   sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
                   wall_seconds=round(time.time() - started, 1))
+    if cfg.suggest_votes:
+        pairs = suggest_pairs(selection, cfg.suggest_votes, cfg.interval.seed,
+                              exclude=set(votes.used) if votes else set())
+        path = run_dir / "suggested_votes.jsonl"
+        path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n"
+                                for line in suggestion_lines(selection, pairs, criteria)),
+                        encoding="utf-8")
+        result["suggested_votes"] = {"file": str(path), "pairs": len(pairs)}
     write_json(run_dir / "leaderboard.json", result)
     (run_dir / "leaderboard.md").write_text(markdown(result), encoding="utf-8")
     plot(result, run_dir / "leaderboard.png")

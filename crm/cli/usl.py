@@ -90,6 +90,9 @@ def basic_auth(variable: str | None) -> tuple[str, str] | None:
 
 def check_inputs(cfg: UslConfig) -> None:
     """A missing model or benchmark stops the start with what to do about it."""
+    if cfg.interval.method not in ("auto", "bootstrap"):
+        raise ConfigError(f"interval.method={cfg.interval.method}: the app takes no votes file, so "
+                          "its boards' intervals are the bootstrap's (auto or bootstrap)")
     missing = [f"{key}={getattr(cfg, key)}" for key in ("checkpoint", "bench")
                if not Path(getattr(cfg, key)).exists()]
     if missing:

@@ -749,10 +749,21 @@ def _quota_styles(n: int, profile: dict[str, float], rng: random.Random) -> list
     return [tuple(column[q] for column in columns) for q in range(n)]
 
 
-def _bench_records(seed: int, n: int) -> list[dict]:
+def _bench_styles(seed: int, n: int) -> tuple[random.Random, dict[str, list[Style]]]:
     rng = _stream(seed, "bench")
     profiles = dict(BENCH_MODELS, **{BENCH_BASELINE: BENCH_BASELINE_PROFILE})
-    styles = {name: _quota_styles(n, profile, rng) for name, profile in profiles.items()}
+    return rng, {name: _quota_styles(n, profile, rng) for name, profile in profiles.items()}
+
+
+def bench_styles(seed: int = 0, n: int = 60) -> dict[str, list[Style]]:
+    """Each benchmark model's style on each query of bench.jsonl (`write_demo(seed=,
+    n_bench=n)`), in the file's order: what a simulated user's true verdict is computed from
+    (benchmarks/usl_coverage.py)."""
+    return _bench_styles(seed, n)[1]
+
+
+def _bench_records(seed: int, n: int) -> list[dict]:
+    rng, styles = _bench_styles(seed, n)
     # round-robin over a shuffled topic order, so every topic gets n / len(TOPICS) queries
     order = [t.name for t in TOPICS]
     rng.shuffle(order)
@@ -760,7 +771,7 @@ def _bench_records(seed: int, n: int) -> list[dict]:
     for q in range(n):
         topic = TOPIC_BY_NAME[order[q % len(order)]]
         query = _query(topic, rng)
-        responses = {name: render_response(topic, styles[name][q], rng) for name in profiles}
+        responses = {name: render_response(topic, styles[name][q], rng) for name in styles}
         records.append({"idx": f"bench-{q:04d}", "topic": topic.name, "prompt": query,
                         "responses": responses})
     return records

@@ -6,10 +6,12 @@ the scorer computes once per query). A model wins an example when the CRM prefer
 a score tie or the tie class is a tie, reported apart from wins. The win rate per topic is
 wins / examples; Overall is micro-averaged over all selected examples (wins / examples).
 
-Every win rate carries a 95% interval: a percentile bootstrap over the benchmark's queries (seeded),
-reported as Arena-Hard does, "(-x / +y)". Each row also has LMArena's rank upper bound: 1 + the
-number of models whose Overall interval lies wholly above this one's, so that ranks the intervals
-cannot tell apart share a bound.
+Every win rate carries a 95% interval, reported as Arena-Hard does, "(-x / +y)": without the
+user's votes a percentile bootstrap over the benchmark's queries (seeded), which takes the CRM's
+verdict for the user's and says so; with them prediction-powered inference (crm.evaluation.ppi),
+which carries the CRM's error. Each row also has LMArena's rank upper bound (1 + the number of
+models whose Overall interval lies wholly above this one's) and a rank set, the ranks it can hold
+given simultaneous intervals.
 
 Benchmark lines that cannot be used are never skipped silently: a line that does not parse, or that
 lacks the baseline's or a ranked model's response, is rejected for every model (so all models are
@@ -19,8 +21,8 @@ rejected + outside the selected topics.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,8 @@ import numpy as np
 from crm.core.examples import LABEL_A, LABEL_B, PairExample
 from crm.core.records import BenchRecord, RecordError, read_lines
 from crm.evaluation.accuracy import verdict
+from crm.evaluation.ppi import MIN_VOTES, CellData, Estimate, ppi_group, rank_sets
+from crm.evaluation.slot_bias import measure_slot_bias
 
 # The criteria-blind setting: what the reference leaderboard used for its crowd ranking. A CRM
 # reads it as "no particular taste": whatever preference it holds without criteria, which for a
@@ -51,6 +55,8 @@ class Selection:
     records: tuple[BenchRecord, ...]
     rejects: tuple[dict, ...] = ()  # {file, line, field, reason}
     outside_topics: int = 0  # lines of topics not selected
+    outside_idx: tuple[str, ...] = ()  # their idx (a vote on one is counted, not used)
+    rejected_idx: tuple[str, ...] = ()  # the idx of parsed lines rejected for a missing response
 
     @property
     def counts(self) -> dict:
@@ -95,10 +101,10 @@ def select(path: str | Path, baseline: str, topics: Sequence[str] | None = None,
             raise ValueError(f"{path}: topics={list(missing)} not in the benchmark "
                              f"(topics: {', '.join(file_topics)})")
         topics = [t for t in file_topics if t in set(topics)]
-    records, outside = [], 0
+    records, outside, rejected_idx = [], [], []
     for number, record in parsed:
         if record.topic not in topics:
-            outside += 1
+            outside.append(record.idx)
             continue
         absent = [m for m in (baseline, *models) if m not in record.responses]
         if absent:
@@ -106,12 +112,14 @@ def select(path: str | Path, baseline: str, topics: Sequence[str] | None = None,
             reason = (f"no response from {role} {absent[0]!r}; the line is left out for every "
                       "model, so that all are ranked on the same examples")
             rejects.append(RecordError(reason, f"responses.{absent[0]}", path, number).as_dict())
+            rejected_idx.append(record.idx)
             continue
         records.append(record)
     if not records:
         raise ValueError(f"{path}: no usable line for baseline {baseline!r} in topics "
                          f"{list(topics)} ({len(rejects)} rejected)")
-    return Selection(path, baseline, models, tuple(topics), tuple(records), tuple(rejects), outside)
+    return Selection(path, baseline, models, tuple(topics), tuple(records), tuple(rejects),
+                     len(outside), tuple(outside), tuple(rejected_idx))
 
 
 # -- judging --------------------------------------------------------------------------------------
@@ -167,10 +175,22 @@ def judge(scorer, selection: Selection, criteria: Sequence[str],
 # -- the arithmetic -------------------------------------------------------------------------------
 
 
+INTERVAL_METHODS = ("auto", "bootstrap", "ppi")
+# What a board without votes must say on every output: its intervals know nothing of the CRM's
+# own error, only of which queries the benchmark happened to hold.
+CRM_IS_USER = ("intervals assume the CRM's verdict is the user's: they carry none of the CRM's "
+               "error (give votes=FILE for intervals that do)")
+PPI_ASSUMES = ("votes drawn at random from the ranked pairs; the CRM's error exchangeable across "
+               "the board's models, so intervals hold on average over them")
+
+
 @dataclass(frozen=True)
 class Bootstrap:
-    """How win-rate intervals are computed: a percentile bootstrap over the benchmark's queries.
+    """How win-rate intervals are computed (the config's `interval`).
 
+    `method`: `bootstrap`, a percentile bootstrap over the benchmark's queries, which takes the
+    CRM's verdicts as the user's; `ppi`, prediction-powered intervals from the CRM's verdicts and
+    the user's votes (crm.evaluation.ppi); `auto`, ppi when votes are given, else bootstrap.
     Percentile rather than BCa: BCa is undefined for a cell whose outcomes are all equal (every
     example won), common on small topics. Arena-Hard and LMArena use percentile intervals too.
     """
@@ -178,6 +198,24 @@ class Bootstrap:
     level: float = 0.95
     resamples: int = 1000
     seed: int = 0
+    method: str = "auto"
+
+
+def interval_doc(spec: Bootstrap, method: str) -> dict:
+    """leaderboard.json's `interval`: the settings, the method used and what it assumes."""
+    return {**asdict(spec), "method": method, "min_votes": MIN_VOTES,
+            "assumes": PPI_ASSUMES if method == "ppi" else CRM_IS_USER}
+
+
+def interval_method(spec: Bootstrap, votes) -> str:
+    """The method `spec` asks for, given whether votes were given (None: not given)."""
+    if spec.method not in INTERVAL_METHODS:
+        raise ValueError(f"interval.method={spec.method!r}: one of {', '.join(INTERVAL_METHODS)}")
+    if spec.method == "auto":
+        return "bootstrap" if votes is None else "ppi"
+    if spec.method == "ppi" and votes is None:
+        raise ValueError("interval.method=ppi needs the user's votes (votes=FILE)")
+    return spec.method
 
 
 def bootstrap_intervals(samples: Sequence[Sequence[float]], spec: Bootstrap = Bootstrap()
@@ -229,17 +267,22 @@ def rank_upper_bounds(rows: list[dict]) -> list[int]:
 
 
 def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequence[str],
-              interval: Bootstrap = Bootstrap()) -> list[dict]:
-    """Rows {rank, rank_ub, model, overall, topics: {topic: cell}}, best first.
+              interval: Bootstrap = Bootstrap(),
+              votes: Mapping[tuple[str, str], str] | None = None) -> list[dict]:
+    """Rows {rank, rank_ub, rank_set, model, overall, topics: {topic: cell}}, best first.
 
     Overall is micro-averaged: all of a model's wins over all its examples (a topic with more
     examples weighs more). Ranked by overall win rate, then mean P(win), then name. Each cell has
-    its bootstrap interval (ci_low, ci_high); rank_ub is the rank upper bound.
+    its interval (ci_low, ci_high) by `interval.method` and the votes it used; with votes
+    ((idx, model) -> verdict, the user's), a cell's win_rate is PPI's estimate and crm_win_rate
+    the CRM's. rank_ub is the rank upper bound, rank_set [best, worst] the ranks the model can
+    hold given simultaneous intervals.
     """
+    method = interval_method(interval, votes)
     by_model = defaultdict(list)
     for o in outcomes:
         by_model[o.model].append(o)
-    rows, cells, samples = [], [], []
+    rows, cells, parts = [], [], []
     for model in models:
         results = by_model[model]
         per_topic = {t: [o for o in results if o.topic == t] for t in topics}
@@ -249,14 +292,68 @@ def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequen
         for cell, part in [(row["overall"], results),
                            *((row["topics"][t], per_topic[t]) for t in topics)]:
             cells.append(cell)
-            samples.append([o.result == WIN for o in part])
-    for cell, span in zip(cells, bootstrap_intervals(samples, interval)):
-        if span:
-            cell["ci_low"], cell["ci_high"] = span
+            parts.append(part)
+    overall = [r["overall"] for r in rows]
+    if method == "bootstrap":
+        simultaneous = _bootstrap(cells, parts, interval, overall)
+    else:
+        simultaneous = _ppi(cells, parts, interval, votes, overall)
+    sets = rank_sets([span or (0.0, 1.0) for span in simultaneous])
+    for row, best_worst in zip(rows, sets):
+        row["rank_set"] = list(best_worst)
     rows.sort(key=lambda r: (-(r["overall"]["win_rate"] or 0), -(r["overall"]["mean_p_win"] or 0),
                              r["model"]))
     return [{"rank": rank, "rank_ub": ub, **row}
             for rank, (row, ub) in enumerate(zip(rows, rank_upper_bounds(rows)), start=1)]
+
+
+def _simultaneous_level(level: float, models: int) -> float:
+    # Bonferroni: each of the M Overall intervals at 1 - alpha / M, so all hold together at least
+    # at 1 - alpha, and with them every true rank lies in its rank set.
+    return 1 - (1 - level) / max(models, 1)
+
+
+def _bootstrap(cells, parts, interval: Bootstrap, overall) -> list:
+    samples = [[o.result == WIN for o in part] for part in parts]
+    for cell, span in zip(cells, bootstrap_intervals(samples, interval)):
+        cell["votes"] = 0
+        if span:
+            cell["ci_low"], cell["ci_high"] = span
+    wide = replace(interval, level=_simultaneous_level(interval.level, len(overall)))
+    index = [next(i for i, c in enumerate(cells) if c is cell) for cell in overall]
+    return bootstrap_intervals([samples[i] for i in index], wide)
+
+
+def _ppi(cells, parts, interval: Bootstrap, votes, overall) -> list:
+    """Each cell's win rate and interval by PPI (crm.evaluation.ppi): the Overall cells pool
+    their votes as one group, the (model, topic) cells as another."""
+    data = []
+    for part in parts:
+        voted = [o for o in part if (o.idx, o.model) in votes]
+        data.append(CellData([o.p_win for o in part], [o.p_win for o in voted],
+                             [votes[o.idx, o.model] == WIN for o in voted]))
+    is_overall = {id(c) for c in overall}
+    groups = [[i for i, c in enumerate(cells) if id(c) in is_overall],
+              [i for i, c in enumerate(cells) if id(c) not in is_overall]]
+    estimates: dict[int, Estimate | None] = {}
+    group_votes: dict[int, int] = {}
+    for group in groups:
+        estimates.update(zip(group, ppi_group([data[i] for i in group])))
+        group_votes.update(dict.fromkeys(group, sum(len(data[i].votes) for i in group)))
+    for i, cell in enumerate(cells):
+        cell["votes"] = len(data[i].votes)
+        cell["crm_win_rate"] = cell["win_rate"]
+        estimate = estimates[i]
+        if estimate is None:
+            if cell["n"]:
+                cell["interval_note"] = (f"no interval: {group_votes[i]} votes where PPI needs "
+                                         f"{MIN_VOTES} (the CRM's win rate shown)")
+            continue
+        low, high = estimate.interval(interval.level)
+        cell["win_rate"] = round(estimate.win_rate, 4)
+        cell["ci_low"], cell["ci_high"] = round(low, 4), round(high, 4)
+    wide = _simultaneous_level(interval.level, len(overall))
+    return [None if estimates[i] is None else estimates[i].interval(wide) for i in groups[0]]
 
 
 def kendall_tau(rows_a: list[dict], rows_b: list[dict]) -> dict:
@@ -271,39 +368,68 @@ def kendall_tau(rows_a: list[dict], rows_b: list[dict]) -> dict:
 
 @dataclass
 class Board:
-    """One ranking: the criteria it was judged under and its rows."""
+    """One ranking: the criteria it was judged under, its rows, how its intervals were made, the
+    orders it was judged in and its slot-bias measurement."""
 
     label: str
     criteria: tuple[str, ...]
     rows: list[dict] = field(default_factory=list)
+    method: str = "bootstrap"
+    both_orders: bool = False
+    slot_bias: dict | None = None
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "criteria": list(self.criteria), "rows": self.rows}
+        return {"label": self.label, "criteria": list(self.criteria), "rows": self.rows,
+                "interval_method": self.method,
+                "assumes": PPI_ASSUMES if self.method == "ppi" else CRM_IS_USER,
+                "both_orders": self.both_orders, "slot_bias": self.slot_bias}
 
 
 def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "criteria",
-         both_orders: bool = False, interval: Bootstrap = Bootstrap()) -> Board:
+         both_orders: bool | str = False, interval: Bootstrap = Bootstrap(),
+         votes: Mapping[tuple[str, str], str] | None = None, slot_sample: int = 0) -> Board:
+    """One board. `slot_sample` > 0 first judges that many of its pairs in both orders
+    (crm.evaluation.slot_bias); `both_orders="auto"` then judges every pair in both orders when
+    the verdicts follow the slot."""
+    bias = (measure_slot_bias(scorer, [e for _, _, e in pairs(selection, criteria)], slot_sample,
+                              interval.seed) if slot_sample else None)
+    if both_orders == "auto":
+        both_orders = bool(bias and bias["biased"])
+    elif not isinstance(both_orders, bool):
+        raise ValueError(f"both_orders={both_orders!r}: true, false or auto")
     outcomes = judge(scorer, selection, criteria, both_orders=both_orders)
     return Board(label, tuple(criteria),
-                 win_rates(outcomes, selection.models, selection.topics, interval))
+                 win_rates(outcomes, selection.models, selection.topics, interval, votes),
+                 interval_method(interval, votes), both_orders, bias)
 
 
 def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
                 contrast: Sequence[str] | None = None, both_orders: bool = False,
                 labels: tuple[str, str] = ("criteria", "contrast"),
-                interval: Bootstrap = Bootstrap()) -> dict:
+                interval: Bootstrap = Bootstrap(), votes=None, slot_sample: int = 0) -> dict:
     """The leaderboard.json document: counts, rejects, one board per criteria set and, with a
-    contrast set, the Kendall tau between the two rankings."""
+    contrast set, the Kendall tau between the two rankings.
+
+    `votes` (crm.evaluation.votes.Votes) are the user's verdicts under `criteria`: they make that
+    board's intervals PPI's (interval.method auto or ppi). A contrast board has no votes of its
+    own, so its intervals are the bootstrap's and say that they assume the CRM is the user.
+    `slot_sample` pairs per board are judged in both orders first (crm.evaluation.slot_bias); a
+    board whose verdicts follow the slot says so, and `both_orders="auto"` judges it in both.
+    """
     if not criteria:
         raise ValueError("no criteria: give the user's criteria (one line each), or use the "
                          "default criteria")
-    boards = [rank(scorer, selection, criteria, labels[0], both_orders, interval)]
+    used = None if votes is None else votes.used
+    boards = [rank(scorer, selection, criteria, labels[0], both_orders, interval, used,
+                   slot_sample)]
     if contrast:
-        boards.append(rank(scorer, selection, contrast, labels[1], both_orders, interval))
+        boards.append(rank(scorer, selection, contrast, labels[1], both_orders,
+                           replace(interval, method="bootstrap"), slot_sample=slot_sample))
     out = {"bench": selection.path, "baseline": selection.baseline,
            "topics": list(selection.topics), "models": list(selection.models),
            "both_orders": both_orders, "examples": selection.counts,
-           "interval": {**asdict(interval), "method": "percentile bootstrap over queries"},
+           "interval": interval_doc(interval, boards[0].method),
+           "votes": None if votes is None else votes.counts,
            "rejects": list(selection.rejects), "boards": [b.as_dict() for b in boards]}
     if contrast:
         out["kendall_tau"] = kendall_tau(boards[0].rows, boards[1].rows)

@@ -17,6 +17,34 @@ def interval(cell: dict) -> str:
     return f"(-{100 * (rate - cell['ci_low']):.1f} / +{100 * (cell['ci_high'] - rate):.1f})"
 
 
+def rank_set(row: dict) -> str:
+    best, worst = row.get("rank_set") or (row["rank"], row["rank"])
+    return str(best) if best == worst else f"{best}-{worst}"
+
+
+def method_note(board: dict) -> str:
+    """How a board's intervals were made and what they assume, in one line."""
+    if board.get("interval_method") == "ppi":
+        note = f"prediction-powered (PPI++, the CRM's verdicts corrected by the user's votes); " \
+               f"assumes {board['assumes']}"
+        notes = [r["overall"]["interval_note"] for r in board["rows"]
+                 if r["overall"].get("interval_note")]
+        return note + (f". {notes[0]}" if notes else "")
+    return f"percentile bootstrap over the queries; {board.get('assumes', '')}".rstrip("; ")
+
+
+def slot_note(board: dict) -> str:
+    """A warning when the board's verdicts follow the slot rather than the response; "" else."""
+    bias = board.get("slot_bias")
+    if not bias or not bias["biased"]:
+        return ""
+    return (f"Slot bias: {bias['follow_slot']} of {bias['pairs']} sampled pairs got the same slot's "
+            f"verdict in both orders, mostly slot {bias['slot']} ({100 * bias['rate']:.0f}% > "
+            f"{100 * bias['threshold']:.0f}%): the CRM reads the slot, not the response; "
+            + ("this board averages both orders" if board.get("both_orders")
+               else "its win rates are not to be trusted (both_orders=true averages them out)"))
+
+
 def rate_with_interval(cell: dict) -> str:
     return f"{_pct(cell['win_rate'])} {interval(cell)}".rstrip()
 
@@ -30,21 +58,36 @@ def markdown(result: dict) -> str:
     lines = [f"Baseline: `{result['baseline']}` · {counts['used']} examples used "
              f"({counts['rejected']} rejected, {counts['outside_topics']} outside the selected "
              f"topics, {counts['read']} read) · win rate (%) against the baseline with its "
-             f"{100 * level:.0f}% bootstrap interval (-x / +y); Overall is micro-averaged over "
-             f"the examples; Rank (UB): 1 + the models whose interval lies wholly above"
-             + (" · both orders averaged" if result["both_orders"] else "")]
+             f"{100 * level:.0f}% interval (-x / +y); Overall is micro-averaged over "
+             f"the examples; Rank (UB): 1 + the models whose interval lies wholly above; Rank set: "
+             f"the ranks a model can hold at {100 * level:.0f}% (simultaneous intervals)"
+             + (" · both orders averaged" if result["both_orders"] is True else "")]
+    if result.get("votes"):
+        v = result["votes"]
+        lines.append(f"Votes: {v['used']} used of {v['read']} read from {v['file']} "
+                     f"({v['outside_topics']} outside the selected topics, "
+                     f"{v['on_rejected_lines']} on rejected benchmark lines)")
     for board in result["boards"]:
         with_ties = any(r["overall"]["ties"] for r in board["rows"])
         lines += ["", f"### {board['label']}: " + " / ".join(f'"{c}"' for c in board["criteria"]),
-                  ""]
-        head = (["Rank", "Rank (UB)", "Model", "Overall", f"{100 * level:.0f}% CI"]
+                  "", f"Intervals: {method_note(board)}"
+                  + ("; judged in both orders, averaged" if board.get("both_orders")
+                     and result["both_orders"] is not True else "")]
+        if slot_note(board):
+            lines.append(f"**{slot_note(board)}**")
+        lines.append("")
+        head = (["Rank", "Rank (UB)", "Rank set", "Model", "Overall", f"{100 * level:.0f}% CI"]
+                + (["Votes"] if board.get("interval_method") == "ppi" else [])
                 + (["Ties"] if with_ties else []) + topics)
         lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join(["---:", "---:", ":---"] + ["---:"] * (len(head) - 3)) + "|")
+        lines.append("|" + "|".join(["---:", "---:", "---:", ":---"] + ["---:"] * (len(head) - 4))
+                     + "|")
         for row in board["rows"]:
             overall = row["overall"]
-            cells = [str(row["rank"]), str(row["rank_ub"]), row["model"],
+            cells = [str(row["rank"]), str(row["rank_ub"]), rank_set(row), row["model"],
                      f"**{_pct(overall['win_rate'])}**", interval(overall) or "-"]
+            if board.get("interval_method") == "ppi":
+                cells.append(str(overall.get("votes", 0)))
             if with_ties:
                 cells.append(_pct(overall["tie_rate"]))
             cells += [rate_with_interval(row["topics"][t]) for t in topics]
@@ -102,7 +145,8 @@ def plot(result: dict, path: str | Path) -> Path:
                     fontsize=8.5, fontweight="bold")
         ax.axvline(50, color="#444", ls="--", lw=0.8, zorder=0)
         ax.set_xlim(0, 100)
-        ax.set_yticks(list(y), names, fontsize=9)
+        ax.set_yticks(list(y), [f"{name}  [{rank_set(r)}]" for name, r in zip(names, rows)],
+                      fontsize=9)
         ax.set_ylim(len(rows) - 0.5, -0.5)  # best on top, rows level with the heatmap's
         ax.set_xlabel(f"Overall win rate vs {result['baseline']} (%)", fontsize=8.5)
         ax.spines[["top", "right"]].set_visible(False)
@@ -147,12 +191,22 @@ def plot(result: dict, path: str | Path) -> Path:
                      fontweight="bold")
     counts = result["examples"]
     fig.suptitle(f"User-centric leaderboard: win rate against {result['baseline']} "
-                 f"({counts['used']} examples, {len(topics)} topics)", x=0.01, ha="left",
+                 f"({counts['used']} examples, {len(topics)} topics) [rank set]\n"
+                 + " · ".join(_plot_note(b) for b in boards), x=0.01, ha="left",
                  fontsize=12, fontweight="bold")
     path = Path(path)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _plot_note(board: dict) -> str:
+    bias = board.get("slot_bias")
+    slot = "; verdicts follow the slot" if bias and bias["biased"] else ""
+    if board.get("interval_method") == "ppi":
+        votes = sum(r["overall"].get("votes", 0) for r in board["rows"])
+        return f"{board['label']}: PPI intervals, {votes} of the user's votes{slot}"
+    return f"{board['label']}: intervals assume the CRM's verdict is the user's{slot}"
 
 
 def _shorten(text: str, n: int) -> str:

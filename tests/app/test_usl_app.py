@@ -110,7 +110,7 @@ def test_the_api_equals_crm_leaderboard(app, client, tmp_path):
     reference = run_cli("leaderboard", run, [
         f"checkpoint={app['export']}", f"bench={app['bench']}", f"baseline={BENCH_BASELINE}",
         f"criteria={json.dumps(CRITERIA)}", f"topics={json.dumps(app['topics'])}",
-        "progress=false"], tmp_path / "leaderboard")
+        "progress=false", "both_orders=false"], tmp_path / "leaderboard")  # the app's one order
     rows = reference["boards"][0]["rows"]
     assert doc["examples"] == reference["examples"]["used"]
 
@@ -259,6 +259,56 @@ def test_the_page_default_then_customized_board(app, page, tmp_path):
     fresh.close()
 
 
+def test_the_page_calibrates_the_board_with_your_votes(app, page, tmp_path):
+    """After a board: the suggested pairs one at a time, the board recomputed with PPI intervals
+    and rank sets after each answer (timed here, from the click to the new board in the page);
+    the votes download as crm-leaderboard's votes file and upload again."""
+    from playwright.sync_api import expect
+
+    from crm.evaluation.leaderboard import select
+    from crm.evaluation.votes import read_votes
+
+    page.goto(app["url"])
+    page.get_by_role("tab", name="Customizable leaderboard").click()
+    page.locator("#criteria textarea").fill("\n".join(CRITERIA))
+    generate(page, expect)  # every topic: the fixture's 12 queries x 8 models
+    page.get_by_text("Calibrate with your votes").click()
+    expect(page.locator("#vote-pair")).to_contain_text("Your criteria")
+    answers = ["a", "b", "tie", "a", "skip"] * 5  # 20 votes: PPI's minimum
+    seconds = []
+    for answered, choice in enumerate(answers, start=1):
+        started = time.perf_counter()
+        page.locator(f"#vote-{choice}").click()
+        expect(page.locator("#vote-status")).to_contain_text(f"{answered} pairs answered")
+        seconds.append(time.perf_counter() - started)
+    expect(page.locator("#vote-status")).to_contain_text(
+        "20 votes, 25 pairs answered; prediction-powered intervals from 20 of your votes, with "
+        "the CRM's error")
+    print(f"browser: click to recomputed board, s: median {sorted(seconds)[12]:.3f}, "
+          f"max {max(seconds):.3f}")
+    assert sorted(seconds)[12] < 1.0 and max(seconds) < 2.0
+    assert column_names(page, "#board")[:7] == ["Rank", "Rank (UB)", "Rank set", "Model",
+                                                "Overall (%)", "95% CI", "Votes"]
+    rows = body_rows(page, "#board")
+    assert sum(int(r[6]) for r in rows) == 20 and {r[3] for r in rows} == set(MODELS)
+
+    with page.expect_download() as download:
+        page.locator("#votes-download").click()
+    saved = tmp_path / "votes.jsonl"
+    saved.write_bytes(Path(download.value.path()).read_bytes())
+    lines = [json.loads(x) for x in saved.read_text().splitlines()]
+    assert len(lines) == 20 and sum(x["verdict"] == "tie" for x in lines) == 5
+    assert len(read_votes(saved, select(app["bench"], BENCH_BASELINE)).used) == 20
+
+    generate(page, expect)  # a fresh board starts without votes; the file brings them back
+    expect(page.locator("#vote-status")).to_contain_text("No votes yet")
+    with page.expect_file_chooser() as chooser:
+        page.locator("#votes-upload").click()
+    chooser.value.set_files(str(saved))
+    expect(page.locator("#vote-status")).to_contain_text("20 votes, 0 pairs answered")
+    assert body_rows(page, "#board") == rows
+
+
 def test_the_page_contrast_and_similarity(app, page):
     from playwright.sync_api import expect
 
@@ -310,7 +360,7 @@ def raw_request(url: str, data: bytes, timeout: float = 10) -> bytes:
 
 def test_the_http_layer_refuses_a_50mb_body_and_an_upload_over_the_limit(app):
     """A 50 MB body is refused (413) from its Content-Length, before a byte of it is read; an
-    upload over max_upload (the page has no upload field) is refused by Gradio."""
+    upload over max_upload (16 KiB: the votes file) is refused by Gradio."""
     head = (f"POST /gradio_api/call/rank HTTP/1.1\r\nHost: {urlsplit(app['url']).netloc}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {50 * 2**20}\r\n\r\n").encode()
     t0 = time.perf_counter()
@@ -318,7 +368,7 @@ def test_the_http_layer_refuses_a_50mb_body_and_an_upload_over_the_limit(app):
     assert answer.startswith(b"HTTP/1.1 413") and b"over 1048576 bytes" in answer
     assert time.perf_counter() - t0 < 5
     upload = httpx.post(f"{app['url']}/gradio_api/upload",
-                        files={"files": ("big.txt", b"x" * 4096, "text/plain")}, timeout=30)
+                        files={"files": ("big.txt", b"x" * 32768, "text/plain")}, timeout=30)
     assert upload.status_code == 413, upload.text
 
 

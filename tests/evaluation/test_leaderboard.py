@@ -14,7 +14,8 @@ import torch
 from scorers import export_tiny, run_cli, tiny_scorer
 
 from crm.cli.leaderboard import run
-from crm.evaluation.leaderboard import (DEFAULT_CRITERIA, LOSS, TIE, WIN, Bootstrap, Outcome,
+from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE, WIN, Bootstrap,
+                                       Outcome,
                              bootstrap_intervals, judge, kendall_tau, leaderboard,
                              rank_upper_bounds, select, win_rates)
 from crm.evaluation.render import interval, markdown, plot
@@ -61,21 +62,22 @@ def test_win_rates_are_micro_averaged_with_ties_apart():
     by = {r["model"]: r for r in rows}
     assert by["m1"]["overall"] == {"n": 4, "wins": 2, "ties": 0, "losses": 2, "win_rate": 0.5,
                                    "ci_low": 0.0, "ci_high": 1.0,
-                                   "tie_rate": 0.0, "mean_p_win": 0.525}
+                                   "tie_rate": 0.0, "mean_p_win": 0.525, "votes": 0}
     # micro: (0 + 2) / 4, not the mean of the topic rates (0 + 0.667) / 2
     assert by["m2"]["overall"] == {"n": 4, "wins": 2, "ties": 1, "losses": 1, "win_rate": 0.5,
                                    "ci_low": 0.0, "ci_high": 1.0,
-                                   "tie_rate": 0.25, "mean_p_win": 0.475}
+                                   "tie_rate": 0.25, "mean_p_win": 0.475, "votes": 0}
     assert by["m1"]["topics"]["small"]["win_rate"] == 1.0
     assert by["m1"]["topics"]["big"]["win_rate"] == round(1 / 3, 4)
     assert by["m2"]["topics"]["big"] == {"n": 3, "wins": 2, "ties": 1, "losses": 0,
                                          "win_rate": round(2 / 3, 4), "ci_low": 0.0,
                                          "ci_high": 1.0, "tie_rate": round(1 / 3, 4),
-                                         "mean_p_win": 0.6}
+                                         "mean_p_win": 0.6, "votes": 0}
     # one example: no interval
     assert by["m1"]["topics"]["small"]["ci_low"] is None
     # equal win rates: the higher mean P(win) ranks first; the intervals cannot tell them apart
     assert [(r["rank"], r["rank_ub"], r["model"]) for r in rows] == [(1, 1, "m1"), (2, 1, "m2")]
+    assert [r["rank_set"] for r in rows] == [[1, 2], [1, 2]]
 
 
 def test_bootstrap_intervals_by_hand():
@@ -209,15 +211,23 @@ def test_markdown_and_png_with_a_contrast_set(tmp_path):
     assert [r["model"] for r in result["boards"][1]["rows"]] == ["m3", "m1", "m2"]
     assert result["kendall_tau"]["tau"] == -1.0
     text = markdown(result)
-    assert "| Rank | Rank (UB) | Model | Overall | 95% CI | t1 | t2 |" in text
-    assert ("| 1 | 1 | m2 | **100.0** | (-0.0 / +0.0) | 100.0 (-0.0 / +0.0) | 100.0 (-0.0 / +0.0) |"
-            in text)
+    assert "| Rank | Rank (UB) | Rank set | Model | Overall | 95% CI | t1 | t2 |" in text
+    # m2 won all 4, m3 lost all 4, m1 half: at the simultaneous level (1 - 0.05 / 3) a resample
+    # of m1's 4 outcomes can be all won or all lost, so m1 may hold any rank; m2 and m3 only
+    # trade places with m1
+    assert [r["rank_set"] for r in result["boards"][0]["rows"]] == [[1, 2], [1, 3], [2, 3]]
+    assert ("| 1 | 1 | 1-2 | m2 | **100.0** | (-0.0 / +0.0) | 100.0 (-0.0 / +0.0) | "
+            "100.0 (-0.0 / +0.0) |" in text)
     m1 = next(r for r in result["boards"][0]["rows"] if r["model"] == "m1")["overall"]
     assert m1["win_rate"] == 0.5 and m1["ci_low"] < 0.5 < m1["ci_high"]
-    assert (f"| 2 | 1 | m1 | **50.0** | {interval(m1)} | 100.0 (-0.0 / +0.0) | "
+    assert (f"| 2 | 1 | 1-3 | m1 | **50.0** | {interval(m1)} | 100.0 (-0.0 / +0.0) | "
             f"0.0 (-0.0 / +0.0) |") in text
     assert result["interval"] == {"level": 0.95, "resamples": 1000, "seed": 0,
-                                  "method": "percentile bootstrap over queries"}
+                                  "method": "bootstrap", "min_votes": 20,
+                                  "assumes": CRM_IS_USER}
+    # without votes every output says whom the intervals trust
+    assert text.count(CRM_IS_USER) == 2  # one line per board
+    assert all(b["assumes"] == CRM_IS_USER for b in result["boards"])
     assert "Kendall tau between the two rankings: **-1.000**" in text
     png = plot(result, tmp_path / "leaderboard.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -313,12 +323,26 @@ def test_crm_leaderboard_writes_json_md_png(tmp_path):
     export = export_tiny(tmp_path / "export")
     bench = demo_like_bench(tmp_path)
     run_dir = tmp_path / "run"
+    votes = tmp_path / "votes.jsonl"  # q1 is a t2 query, q0 a t1 one (outside the topics)
+    votes.write_text('{"idx": "1", "model": "m1", "verdict": "tie"}\n'
+                     '{"idx": "0", "model": "m2", "verdict": "win"}\n')
     result = run_cli("leaderboard", run, [
         f"checkpoint={export}", f"bench={bench}", "baseline=base",
         'criteria=["concise answer, please","is friendly"]', 'contrast=["detailed answer"]',
-        "topics=[t2]", "progress=false", "labels.criteria=concise", "labels.contrast=detailed"],
-        run_dir)
+        "topics=[t2]", "progress=false", "labels.criteria=concise", "labels.contrast=detailed",
+        f"votes={votes}", "suggest_votes=4", "both_orders=false", "slot_sample=0"], run_dir)
     saved = json.loads((run_dir / "leaderboard.json").read_text())
+    assert saved["votes"] == {"file": str(votes), "read": 2, "used": 1, "outside_topics": 1,
+                              "on_rejected_lines": 0}
+    assert saved["interval"]["method"] == "ppi"  # auto, with votes; 1 vote: no interval, said so
+    assert "1 votes where PPI needs 20" in saved["boards"][0]["rows"][0]["overall"]["interval_note"]
+    suggested = [json.loads(x) for x in (run_dir / "suggested_votes.jsonl").read_text().splitlines()]
+    assert [(s["idx"], s["model"]) for s in suggested][:3] == [(s["idx"], m) for s, m in
+                                                               zip(suggested, ("m1", "m2", "m3"))]
+    assert len(suggested) == 4 and ("1", "m1") not in {(s["idx"], s["model"]) for s in suggested}
+    assert suggested[0]["criteria"] == ["concise answer, please", "is friendly"]
+    assert {"prompt", "baseline", "response", "topic"} <= set(suggested[0])
+    assert saved["suggested_votes"]["pairs"] == 4
     assert saved == json.loads(json.dumps(result))
     assert saved["boards"][0]["criteria"] == ["concise answer, please", "is friendly"]
     assert saved["topics"] == ["t2"] and saved["examples"]["used"] == 3
@@ -369,7 +393,7 @@ def test_the_installed_command(tmp_path):
          f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| Rank | Rank (UB) | Model | Overall | 95% CI | t1 | t2 |" in proc.stdout
+    assert "| Rank | Rank (UB) | Rank set | Model | Overall | 95% CI | t1 | t2 |" in proc.stdout
     assert {p.name for p in run_dir.iterdir()} >= {"leaderboard.json", "leaderboard.md",
                                                    "leaderboard.png"}
 

@@ -1,0 +1,222 @@
+"""Do the leaderboard's intervals hold for a user? Simulated users on the demo benchmark
+(docs/EVALUATION.md section 7, docs/DESIGN.md section 8.3).
+
+The demo benchmark's responses are rendered from known style attributes (crm.data.demo), so a
+user whose criteria name some poles has a known verdict on every (query, model) pair against the
+baseline. The rule: for each criterion's pole, a response scores 1 when it has that pole; the
+model wins when its score beats the baseline's, loses when it is below. When the criteria do not
+tell the two apart, two kinds of user: `even` calls it a tie; `taste` falls back on the demo's
+crowd taste (crm.data.demo.CROWD_TASTE, what the demo's voters follow) over the attributes on
+which the two differ, a tie only when they differ on none. Each criteria set gets `--users` users
+of each kind. The user is not a rule: on each pair, with probability `--noise` (0.10), their
+verdict is instead drawn uniformly from win / tie / loss, once per user and pair. A user's true
+win rate for a model is then wins / pairs over all the bench's pairs.
+
+Criteria sets: `--sets` drawn from the demo's training wordings and as many from its held-out
+wordings, each naming 1-3 poles of distinct attributes. The CRM judges the bench once per
+criteria set (`crm.evaluation.leaderboard.judge`); `--users` users per set each vote on
+`--votes` pairs drawn uniformly without replacement from the bench's (query, model) pairs, and
+their board is `crm.evaluation.leaderboard.win_rates` with those votes (PPI). Beside it: today's
+bootstrap board (no votes: the CRM taken as the user) and Wilson intervals from the votes alone.
+Reported per wording kind and overall: the share of (user, model) cases whose interval holds the
+true Overall win rate, the mean width, PPI's width over the votes-only width, the share whose
+rank set holds the true rank (strict: every rank the model's true win rate could hold, ties in
+truth counted as the whole tied range), and the mean rank-set size.
+
+    nice -n 5 python benchmarks/usl_coverage.py [--checkpoint outputs/demo/export]
+        [--bench .cache/demo/raw/bench.jsonl] [--sets 20] [--users 6] [--votes 50] [--level 0.95]
+        [--noise 0.1] [--seed 0] [--threads 1] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from crm.data.demo import (ATTRIBUTES, BENCH_BASELINE, CAVEAT_MARKERS, CROWD_TASTE,
+                           EXAMPLE_MARKERS, HELDOUT_WORDINGS, POLES, STRUCTURE, TRAIN_WORDINGS,
+                           bench_styles)
+from crm.evaluation.leaderboard import LOSS, TIE, WIN, Bootstrap, judge, select, win_rates
+from crm.evaluation.ppi import wilson
+
+VERDICTS = (WIN, TIE, LOSS)
+
+
+def draw_criteria(rng: np.random.Generator, wordings: dict) -> tuple[list[str], list[str]]:
+    """(criteria lines, the poles they name): 1-3 poles of distinct attributes."""
+    k = int(rng.integers(1, 4))
+    attributes = rng.choice(len(ATTRIBUTES), size=k, replace=False)
+    poles = [ATTRIBUTES[a].poles[int(rng.integers(2))] for a in attributes]
+    return [str(rng.choice(wordings[p])) for p in poles], poles
+
+
+def rule_verdicts(styles: dict, records, models, poles, taste: bool) -> dict:
+    """(idx, model) -> the verdict the criteria's poles give, model against the baseline; when
+    they do not separate the two, a tie, or with `taste` the crowd's taste's verdict."""
+    wanted = [POLES[p] for p in poles]
+    out = {}
+    for q, record in enumerate(records):
+        baseline = styles[BENCH_BASELINE][q]
+        base = sum(baseline[a] == side for a, side in wanted)
+        for model in models:
+            style = styles[model][q]
+            score = sum(style[a] == side for a, side in wanted) - base
+            if score == 0 and taste:
+                score = sum(weight if style[a] == favoured else -weight
+                            for a, (favoured, weight) in CROWD_TASTE.items() if style[a] != baseline[a])
+            out[record.idx, model] = WIN if score > 0 else LOSS if score < 0 else TIE
+    return out
+
+
+def check_styles(styles: dict, records) -> None:
+    """The styles regenerated from the seed are the bench file's: the visible marks agree."""
+    for q, record in enumerate(records):
+        for model, conversation in record.responses.items():
+            text = conversation[-1].content
+            marks = {STRUCTURE: "\n- " in text,
+                     3: any(m in text for m in EXAMPLE_MARKERS),
+                     5: any(m in text for m in CAVEAT_MARKERS)}
+            for attribute, seen in marks.items():
+                if bool(styles[model][q][attribute]) != seen:
+                    raise SystemExit(f"{record.idx} {model}: attribute {attribute} does not match "
+                                     "the demo generator's styles (another seed or n_bench?)")
+
+
+def true_ranks(truth: dict[str, float]) -> dict[str, tuple[int, int]]:
+    m = len(truth)
+    return {k: (1 + sum(v > x for v in truth.values()), m - sum(v < x for v in truth.values()))
+            for k, x in truth.items()}
+
+
+def summarise(cases: list[dict]) -> dict:
+    def mean(key):
+        return round(float(np.mean([c[key] for c in cases])), 4)
+
+    return {"cases": len(cases),
+            "coverage": {"ppi": mean("ppi_covers"), "bootstrap": mean("boot_covers"),
+                         "votes_only": mean("votes_covers")},
+            "mean_width": {"ppi": mean("ppi_width"), "bootstrap": mean("boot_width"),
+                           "votes_only": mean("votes_width")},
+            "ppi_over_votes_only_width": round(mean("ppi_width") / mean("votes_width"), 4),
+            "rank_set_coverage": {"ppi": mean("ppi_rank_covers"),
+                                  "bootstrap": mean("boot_rank_covers")},
+            "rank_set_mean_size": {"ppi": mean("ppi_rank_size"), "bootstrap": mean("boot_rank_size")},
+            "crm_agreement_with_user": mean("agreement"),
+            "mean_votes_per_model": mean("votes")}
+
+
+def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot, ppi_spec,
+             cases: list) -> None:
+    """One user: their verdicts, true win rates and ranks, 50 random votes, their PPI board."""
+    noisy = rng.random(len(keys)) < args.noise
+    drawn = rng.integers(0, 3, len(keys))
+    user = {k: VERDICTS[drawn[i]] if noisy[i] else rule[k] for i, k in enumerate(keys)}
+    truth = {m: float(np.mean([user[r.idx, m] == WIN for r in records]))
+             for m in models}
+    ranks = true_ranks(truth)
+    voted = rng.choice(len(keys), size=args.votes, replace=False)
+    votes = {keys[i]: user[keys[i]] for i in voted}
+    rows = {r["model"]: r for r in win_rates(outcomes, models, topics, ppi_spec, votes)}
+    agreement = float(np.mean([crm[k] == user[k] for k in keys]))
+    for m in models:
+        ppi, bt = rows[m]["overall"], boot[m]["overall"]
+        mine = [user[k] == WIN for k in votes if k[1] == m]
+        only = wilson(mine, args.level) or (0.0, 1.0)
+        lo, hi = ranks[m]
+        cases.append({
+            "ppi_covers": ppi["ci_low"] <= truth[m] <= ppi["ci_high"],
+            "ppi_width": ppi["ci_high"] - ppi["ci_low"],
+            "boot_covers": bt["ci_low"] <= truth[m] <= bt["ci_high"],
+            "boot_width": bt["ci_high"] - bt["ci_low"],
+            "votes_covers": only[0] <= truth[m] <= only[1],
+            "votes_width": only[1] - only[0],
+            "ppi_rank_covers": rows[m]["rank_set"][0] <= lo and rows[m]["rank_set"][1] >= hi,
+            "ppi_rank_size": rows[m]["rank_set"][1] - rows[m]["rank_set"][0] + 1,
+            "boot_rank_covers": boot[m]["rank_set"][0] <= lo and boot[m]["rank_set"][1] >= hi,
+            "boot_rank_size": boot[m]["rank_set"][1] - boot[m]["rank_set"][0] + 1,
+            "agreement": agreement, "votes": len(mine)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", default="outputs/demo/export")
+    parser.add_argument("--bench", default=".cache/demo/raw/bench.jsonl")
+    parser.add_argument("--sets", type=int, default=20, help="criteria sets per wording kind")
+    parser.add_argument("--users", type=int, default=6, help="users per criteria set")
+    parser.add_argument("--votes", type=int, default=50)
+    parser.add_argument("--level", type=float, default=0.95)
+    parser.add_argument("--noise", type=float, default=0.10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--demo-seed", type=int, default=0, help="the bench's generator seed")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--spread-level", type=float, default=None,
+                        help="the confidence level of PPI's tau^2 bound (crm.evaluation.ppi."
+                             "SPREAD_LEVEL, 0.95): a study of the estimator, not a setting")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.spread_level is not None:
+        import crm.evaluation.ppi
+
+        crm.evaluation.ppi.SPREAD_LEVEL = args.spread_level
+
+    import torch
+
+    from crm.inference.scorer import CRMScorer
+
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    scorer = CRMScorer.load(args.checkpoint, batch_size=32, device=torch.device("cpu"))
+    selection = select(args.bench, BENCH_BASELINE)
+    records, models, topics = selection.records, selection.models, selection.topics
+    styles = bench_styles(args.demo_seed, len(records))
+    check_styles(styles, records)
+    keys = [(r.idx, m) for r in records for m in models]
+    rng = np.random.default_rng(args.seed)
+    ppi_spec = Bootstrap(level=args.level, method="ppi")
+    boot_spec = Bootstrap(level=args.level, method="bootstrap")
+    cases = {(kind, user): [] for kind in ("train", "heldout") for user in ("even", "taste")}
+    sets = []
+    for kind, wordings in (("train", TRAIN_WORDINGS), ("heldout", HELDOUT_WORDINGS)):
+        for _ in range(args.sets):
+            criteria, poles = draw_criteria(rng, wordings)
+            outcomes = judge(scorer, selection, criteria)  # once per criteria set
+            crm = {(o.idx, o.model): o.result for o in outcomes}
+            boot = {r["model"]: r for r in win_rates(outcomes, models, topics, boot_spec)}
+            sets.append({"kind": kind, "criteria": criteria, "poles": poles})
+            for user_kind in ("even", "taste"):
+                rule = rule_verdicts(styles, records, models, poles, user_kind == "taste")
+                for _ in range(args.users):
+                    simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot,
+                             ppi_spec, cases[kind, user_kind])
+    result = {
+        "benchmark": "usl_coverage",
+        "command": "nice -n 5 python benchmarks/usl_coverage.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "checkpoint": args.checkpoint, "bench": args.bench,
+        "pairs": len(keys), "models": len(models), "queries": len(records),
+        "users_per_kind": {"train_wordings": args.users * args.sets,
+                           "heldout_wordings": args.users * args.sets},
+        "votes_per_user": args.votes, "level": args.level, "user_noise": args.noise,
+        "spread_level": args.spread_level or 0.95,
+        "criteria_sets": len(sets), "crm_sequences": int(scorer.counts["sequences"]),
+        **{f"{user}_user": {
+            "train_wordings": summarise(cases["train", user]),
+            "heldout_wordings": summarise(cases["heldout", user]),
+            "all": summarise(cases["train", user] + cases["heldout", user])}
+           for user in ("even", "taste")},
+        "cpu": platform.processor() or platform.machine(), "torch_threads": args.threads,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "criteria": sets,
+    }
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
