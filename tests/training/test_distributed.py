@@ -556,10 +556,10 @@ def hsdp(root) -> tuple[Path, Path]:
                       f"trainer.max_steps={EPOCH_STEPS}", "val_every_n_steps=10",
                       "save_every_n_steps=1000", script=REFERENCE, REFERENCE_WORLD="4",
                       REFERENCE_ACCUMULATION="2")
-    with cleanup(*reference[1]):
-        # sharding=auto: several nodes of several ranks (CPU: no device memory to plan against)
-        job = hsdp_job(root, "4242", f"trainer.max_steps={EPOCH_STEPS}")
-    return job, finish(reference)[0]
+    # sharding=auto: several nodes of several ranks (CPU: no device memory to plan against) -> hsdp
+    job = slurm_job(root, "4242", 4, *HSDP_JOB, *probe("4242"), f"trainer.max_steps={EPOCH_STEPS}",
+                    per_node=2)
+    return tuple(finish((root / "outputs" / "4242", job), reference))
 
 
 @slow
