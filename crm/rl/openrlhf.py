@@ -371,10 +371,9 @@ class RewardApp:
             body = await read_body(receive, self.limits.body, self.limits.read_timeout)
         except TimeoutError:
             return await self._refuse(send, client, HTTPStatus.REQUEST_TIMEOUT, "the body did not "
-                                      f"arrive within {self.limits.read_timeout:g} s", close=True)
+                                      f"arrive within {self.limits.read_timeout:g} s")
         except BodyTooLarge as exc:
-            return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc),
-                                      close=True)
+            return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc))
         size, loop = len(body), asyncio.get_running_loop()
         try:
             await self._answer(send, client, body)
@@ -398,13 +397,14 @@ class RewardApp:
                                       f"internal error ({type(exc).__name__}): the server logged it")
         await send_json(send, HTTPStatus.OK, answer(values))
 
-    async def _refuse(self, send, client: str, status: HTTPStatus, reason: str,
-                      close: bool = False) -> None:
+    async def _refuse(self, send, client: str, status: HTTPStatus, reason: str) -> None:
+        """A one-line refusal, logged, its connection closed after it: a client that pipelines
+        bad requests (thousands of GETs on one connection) gets one answer, not one each."""
         # Messages quote user input through excerpt(); the cut and the escapes are the last guard
         # (a log handler writing UTF-8 fails on a lone surrogate).
         reason = reason[:MAX_REASON].encode("utf-8", "backslashreplace").decode("utf-8")
         log.warning("%s %d %s", client, status, reason)  # OpenRLHF's client logs only the status
-        await send_json(send, status, {"error": reason}, close)
+        await send_json(send, status, {"error": reason}, close=True)
 
     def close(self) -> None:
         self.batcher.close()

@@ -1,7 +1,7 @@
 """The OpenRLHF reward server under requests that are legal in size but not in cost (issue 45),
 through one real server on 127.0.0.1: linear splitting, JSON shapes refused before parsing, a
 lone surrogate a 400, scoring shared in slices, request heads bounded, a share of the connections
-per client address, clients that never read dropped. Sizes are small; time bounds are generous
+per client address, a refusal closing its connection. Sizes are small; time bounds are generous
 ratios or orderings, robust to a loaded 2-core machine. benchmarks/server_hold.py measures the
 issue's sizes."""
 from __future__ import annotations
@@ -28,7 +28,6 @@ CRITERIA = ["concise answer", "is friendly"]
 LABEL = {"criteria": CRITERIA, "reference": "beta reply"}
 SMALL = {"query": [PROMPT + "alpha reply<|im_end|>"], "prompts": [PROMPT], "labels": [LABEL]}
 PER_ADDRESS = 6
-WRITE_TIMEOUT = 1.0
 SLICE_CHARS = 400
 
 
@@ -36,7 +35,7 @@ SLICE_CHARS = 400
 def server():
     reward = CRMReward(tiny_scorer(), "reference")
     limits = Limits.of(reward, 4000, items=32, connections=64, per_address=PER_ADDRESS,
-                       write_timeout=WRITE_TIMEOUT, slice_chars=SLICE_CHARS, read_timeout=5.0)
+                       slice_chars=SLICE_CHARS, read_timeout=5.0)
     running = make_server(reward, "127.0.0.1", 0, batch_wait=0.01, limits=limits).start()
     assert post(running.url, SMALL)[0] == 200  # warm-up: the first forward
     yield running
@@ -223,27 +222,12 @@ def test_one_address_cannot_take_every_connection(server):
             s.close()
 
 
-def test_a_client_that_never_reads_is_dropped(server):
-    """Pipelined requests (each a short 405) and no read: once the answers fill the buffers the
-    connection is dropped within WRITE_TIMEOUT (the client's next send fails: reset)."""
-    address = urlsplit(server.url)
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect((address.hostname, address.port))
-    s.setblocking(False)
-    request = f"GET /get_reward HTTP/1.1\r\nHost: {address.netloc}\r\n\r\n".encode() * 500
-    dropped, deadline = None, time.monotonic() + WRITE_TIMEOUT + 20
-    try:
-        while time.monotonic() < deadline:
-            try:
-                s.send(request)
-            except BlockingIOError:  # the server reads no more: its answers wait
-                pass
-            except OSError as exc:
-                dropped = exc
-                break
-            time.sleep(0.1)
-    finally:
-        s.close()
-    assert isinstance(dropped, (ConnectionResetError, BrokenPipeError)), dropped
+def test_a_refusal_closes_its_connection(server):
+    """Thousands of pipelined GETs on one connection get one 405, and the connection closed: a
+    client that never reads cannot make the server answer (and log) each one. (The write deadline
+    for answers a client does not read is tests/app/test_usl_app.py's: the app's answers are
+    large enough to fill the buffers.)"""
+    netloc = urlsplit(server.url).netloc
+    answer = raw(server.url, f"GET /get_reward HTTP/1.1\r\nHost: {netloc}\r\n\r\n".encode() * 2000)
+    assert answer.startswith(b"HTTP/1.1 405") and answer.count(b"HTTP/1.1") == 1
     assert post(server.url, SMALL)[0] == 200
