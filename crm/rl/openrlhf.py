@@ -85,7 +85,7 @@ VALUES_PER_SAMPLE = 64
 # Characters (summed over a sample's texts) scored in one turn of the scorer: a request's samples
 # are scored in slices of at most this, interleaved with other requests' (crm/rl/batching.py), so
 # no request holds the scorer for longer than one slice takes (docs/RL.md "Limits").
-SLICE_CHARS = 65_536
+SLICE_CHARS = 131_072
 SLICE_SAMPLES = 512
 # Characters a prompt, a response or a label may hold per token of the CRM's length (max_tokens):
 # text that many times longer than the CRM reads is degenerate (natural text is 3-5 characters a
