@@ -1,17 +1,23 @@
 """What the leaderboard app adds in front of Gradio against clients that hold it: its closed
-routes, and its event streams bounded in number and lifetime.
+routes, its event streams bounded in number and lifetime, and API results left unread bounded in
+number and age.
 
 Gradio serves routes the page never uses (an upload route that writes every file it is given to
-disk, in a directory per request) and event streams that run until the client leaves (a session's
-heartbeat, the queue's events, an API call's result). Both are refused or bounded here, before
-Gradio sees the request; crm/core/http.py bounds what every request may send and take.
+disk, in a directory per request), event streams that run until the client leaves (a session's
+heartbeat, the queue's events, an API call's result), and keeps every API call's result until
+its caller reads it (`POST /call/rank`, then `GET /call/rank/{event_id}`): 2,000 results never
+read held 239 MB. All are refused or bounded here, before Gradio sees the request;
+crm/core/http.py bounds what every request may send and take.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import time
 from collections import Counter
+from typing import NamedTuple
 
 from crm.core.http import refuse
 
@@ -20,7 +26,14 @@ log = logging.getLogger("crm.app")
 # The page has no upload field: nothing it does posts a file.
 CLOSED = re.compile(r"^(/gradio_api)?/upload(_progress)?/?$")
 # Streams of events (text/event-stream) that stay open while the client waits.
-STREAMS = re.compile(r"^(/gradio_api)?/(heartbeat/[^/]+|queue/data|call/[^/]+/[^/]+)/?$")
+STREAMS = re.compile(r"^(/gradio_api)?/(heartbeat/[^/]+|queue/data|call/(v2/)?[^/]+/[^/]+)/?$")
+CALL = re.compile(r"^(/gradio_api)?/call/[^/]+/?$")  # POST: an API call, answered with its event id
+RESULT = re.compile(r"^(/gradio_api)?/call/(v2/)?[^/]+/(?P<event>[^/]+)/?$")  # GET: its result
+
+
+class Unread(NamedTuple):
+    address: str
+    since: float
 
 
 class ServingGuard:
@@ -29,11 +42,20 @@ class ServingGuard:
     - a closed route (Gradio's upload) is answered 404 with one line, its body never read;
     - at most `per_address` event streams from one client address and `total` in all (429 past
       them), each ended after `lifetime` seconds: a browser's EventSource reconnects, a client
-      that opened thousands holds none of them for long."""
+      that opened thousands holds none of them for long;
+    - at most `results_per_address` API results not yet read from one address and `results` in
+      all (a new call past them: 429); a result unread after `result_age` seconds is dropped
+      (Gradio's `queue`, the page's, holds it), so an address that never reads frees its share."""
 
-    def __init__(self, app, per_address: int = 8, total: int = 128, lifetime: float = 600.0):
+    def __init__(self, app, per_address: int = 8, total: int = 128, lifetime: float = 600.0,
+                 results_per_address: int = 32, results: int = 256, result_age: float = 120.0,
+                 queue=None):
         self.app, self.per_address, self.total, self.lifetime = app, per_address, total, lifetime
+        self.results_per_address, self.results, self.result_age = (results_per_address, results,
+                                                                    result_age)
+        self.queue = queue
         self.open: Counter = Counter()
+        self.unread: dict[str, Unread] = {}  # event id -> its caller's address, since when
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -43,7 +65,50 @@ class ServingGuard:
             return await refuse(scope, send, 404, "no such route: this page takes no uploads")
         if scope.get("method") == "GET" and STREAMS.match(path):
             return await self._stream(scope, receive, send)
+        if scope.get("method") == "POST" and CALL.match(path):
+            return await self._call(scope, receive, send)
         await self.app(scope, receive, send)
+
+    async def _call(self, scope, receive, send) -> None:
+        address = (scope.get("client") or ("?",))[0]
+        self._expire()
+        mine = sum(u.address == address for u in self.unread.values())
+        if mine >= self.results_per_address or len(self.unread) >= self.results:
+            return await refuse(scope, send, 429, (
+                f"too many API results not read yet ({mine} from {address}, {len(self.unread)} in "
+                f"all; at most {self.results_per_address} and {self.results}): read them "
+                f"(GET .../call/<api>/<event_id>), or wait {self.result_age:g} s"))
+        answer = {"status": 0, "body": b""}
+
+        async def captured(message) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+            elif message["type"] == "http.response.body" and len(answer["body"]) < 4096:
+                answer["body"] += message.get("body", b"")
+            await send(message)
+
+        await self.app(scope, receive, captured)
+        if answer["status"] == 200:
+            try:
+                event_id = json.loads(answer["body"])["event_id"]
+            except (ValueError, KeyError, TypeError):
+                return
+            self.unread[str(event_id)] = Unread(address, time.monotonic())
+
+    def _expire(self) -> None:
+        """Forget results unread for `result_age` seconds, and drop what Gradio holds of those
+        whose run has ended (as it does when a reader disconnects)."""
+        now = time.monotonic()
+        for event_id in [e for e, u in self.unread.items() if now - u.since > self.result_age]:
+            del self.unread[event_id]
+            queue = self.queue
+            if queue is None or event_id in queue.event_ids_to_events:  # still running
+                continue
+            session = next((s for s, ids in queue.pending_event_ids_session.items()
+                            if event_id in ids), None)
+            if session is not None:
+                queue.pending_messages_per_session.pop(session, None)
+                queue.pending_event_ids_session.pop(session, None)
 
     async def _stream(self, scope, receive, send) -> None:
         address = (scope.get("client") or ("?",))[0]
@@ -70,6 +135,9 @@ class ServingGuard:
             self.open[address] -= 1
             if self.open[address] <= 0:  # the map holds open addresses only
                 del self.open[address]
+            result = RESULT.match(scope.get("path", ""))
+            if result:  # read (or its reader gone): no longer unread
+                self.unread.pop(result["event"], None)
         # Ended by its lifetime (Gradio returns quietly from a cancelled stream): the stream's
         # last chunk, so that the client reads a whole answer and may reconnect.
         if response["started"] and not response["complete"]:

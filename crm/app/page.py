@@ -18,7 +18,9 @@ client does not read dropped after `write_timeout`, idle connections closed afte
 refused (413) and JSON bodies past 10,000 values or 32 levels (400) before Gradio reads them; and
 with crm/app/guards.py's: Gradio's upload route closed (404: the page has no upload field), event
 streams at most `streams_per_address` per address and `streams` in all, each ended after
-`stream_lifetime` seconds. The files Gradio keeps (CSV downloads) are deleted once `file_age`
+`stream_lifetime` seconds; API results not yet read at most `results_per_address` per address
+and `results` in all (429 past them), each dropped when unread after `result_age` seconds. The
+files Gradio keeps (CSV downloads) are deleted once `file_age`
 seconds old and at exit, and the per-board CSVs are bounded (MAX_CSV files) and deleted at exit.
 """
 from __future__ import annotations
@@ -89,6 +91,9 @@ class HttpLimits:
     streams: int = 128
     streams_per_address: int = 8
     stream_lifetime: float = 600.0
+    results: int = 256
+    results_per_address: int = 32
+    result_age: float = 120.0
     file_age: int = 3600
 
 
@@ -418,7 +423,9 @@ def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None =
         mcp_server=False, theme=THEME, css=CSS)
     gradio_app = next(route.app for route in app.routes if hasattr(route.app, "stop_event"))
     guarded = ServingGuard(BodyLimit(app, limits.max_body, limits.read_timeout),
-                           limits.streams_per_address, limits.streams, limits.stream_lifetime)
+                           limits.streams_per_address, limits.streams, limits.stream_lifetime,
+                           limits.results_per_address, limits.results, limits.result_age,
+                           queue=page._queue)
     server = GradioServer(server_config(
         guarded, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
         connections=limits.connections, per_address=limits.per_address,

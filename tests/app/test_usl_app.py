@@ -39,6 +39,7 @@ MODELS = sorted(BENCH_MODELS)
 CRITERIA = [TRAIN_WORDINGS["concise"][0], TRAIN_WORDINGS["prose"][1]]
 READ_TIMEOUT = 2  # serve.read_timeout of the served app: a stalled connection's deadline
 WRITE_TIMEOUT = 2  # serve.write_timeout: how long an answer waits for a client that never reads
+RESULT_AGE = 3  # serve.result_age: how long an API result waits to be read
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -74,7 +75,8 @@ def app(tmp_path_factory):
             [str(Path(sys.executable).parent / "crm-usl"), f"checkpoint={export}",
              f"bench={bench}", f"baseline={BENCH_BASELINE}", f"port={urlsplit(url).port}",
              f"cache.dir={root / 'cache'}", f"hydra.run.dir={root / 'run'}",
-             f"serve.read_timeout={READ_TIMEOUT}", f"serve.write_timeout={WRITE_TIMEOUT}"],
+             f"serve.read_timeout={READ_TIMEOUT}", f"serve.write_timeout={WRITE_TIMEOUT}",
+             f"serve.result_age={RESULT_AGE}"],
             stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in temp.items()}})
     wait_for_server(url, proc, log)
@@ -466,3 +468,21 @@ def test_the_pages_own_handlers_answer_wrong_types_in_one_line(app, api_name, da
     answer = page_call(app["url"], api_name, data)
     assert '"error": null' not in answer and "Traceback" not in answer
     assert message in answer, answer
+
+
+def test_api_results_never_read_are_bounded_per_address_and_expire(app):
+    """32 /rank calls from 127.0.0.4 whose results it never reads (serve.results_per_address):
+    its next call gets a one-line 429 while 127.0.0.1 is served; once they are RESULT_AGE
+    seconds old they are dropped and 127.0.0.4 may call again."""
+    def call(http) -> httpx.Response:
+        return http.post(f"{app['url']}/gradio_api/call/rank", timeout=30,
+                         json={"data": ["General user preference", []]})
+
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.4")) as http:
+        t0 = time.monotonic()
+        assert [call(http).status_code for _ in range(32)] == [200] * 32
+        refused = call(http)
+        assert refused.status_code == 429 and "not read yet (32 from 127.0.0.4" in refused.text
+        assert "event: complete" in api_call(app["url"], ["General user preference", []])
+        time.sleep(max(0.0, RESULT_AGE + 0.3 - (time.monotonic() - t0)))
+        assert call(http).status_code == 200
