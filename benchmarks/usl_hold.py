@@ -143,7 +143,8 @@ def attack_upload(port, url, args) -> dict:
     def upload(k: int) -> bytes:
         files = [("files", (f"{k}-{i}.txt", os.urandom(512).hex().encode(), "text/plain"))
                  for i in range(900)]
-        response = httpx.post(f"{url}/gradio_api/upload", files=files, timeout=60)
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=ATTACKER)) as http:
+            response = http.post(f"{url}/gradio_api/upload", files=files, timeout=60)
         return f"HTTP/1.1 {response.status_code}\r\n\r\n{response.text}".encode()
     return received(concurrently([lambda k=k: upload(k) for k in range(24)]))
 
@@ -151,7 +152,7 @@ def attack_upload(port, url, args) -> dict:
 def attack_unread(port, url, args) -> dict:
     """2,000 /rank calls whose results are never read (a fifth of the issue's 9,000)."""
     statuses: Counter = Counter()
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=ATTACKER)) as http:
         for _ in range(2000):
             try:
                 statuses[http.post(f"{url}/gradio_api/call/rank",
