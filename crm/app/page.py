@@ -12,10 +12,16 @@ URL-encoded in the link: criteria holding HTML or script are shown, never run. E
 the page gets a one-line notice.
 
 The page is served by uvicorn with the guards of crm/core/http.py (Gradio's own launch sets none):
-each request's head and body due within `read_timeout` seconds, idle connections closed after
-`keep_alive`, 503 past `connections`, bodies over `max_body` bytes refused (413) before Gradio reads
-them; Gradio's upload route takes at most `max_upload` bytes (16 KiB: a votes file of about 250
-votes, the page's one upload), the files Gradio keeps (CSV downloads, uploads) are deleted once
+each request's head (at most 16 KiB) and body due within `read_timeout` seconds, an answer the
+client does not read dropped after `write_timeout`, idle connections closed after `keep_alive`,
+503 past `connections` and 429 past `per_address` from one address, bodies over `max_body` bytes
+refused (413) and JSON bodies past 10,000 values or 32 levels (400) before Gradio reads them; and
+with crm/app/guards.py's: Gradio's upload route cut to the page's one upload (one file of at most
+`max_upload` bytes a request, the votes file of about 250 votes at 16 KiB; none while `uploads`
+files are held), event streams at most `streams_per_address` per address and `streams` in all,
+each ended after `stream_lifetime` seconds; API results not yet read at most
+`results_per_address` per address and `results` in all (429 past them), each dropped when unread
+after `result_age` seconds. The files Gradio keeps (CSV downloads, uploads) are deleted once
 `file_age` seconds old and at exit, and the per-board CSVs and votes files are bounded (MAX_CSV
 files each) and deleted at exit.
 """
@@ -40,11 +46,13 @@ from urllib.parse import quote, urlencode
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 import pandas as pd
 import uvicorn
 from fastapi import FastAPI
 
 from crm.app.calibrate import SUGGESTED, Calibration, sides, write_votes
+from crm.app.guards import ServingGuard
 from crm.app.service import BoardError, Leaderboards
 from crm.core.http import BodyLimit, server_config
 from crm.evaluation.leaderboard import DEFAULT_CRITERIA
@@ -79,6 +87,7 @@ CALIBRATE_HELP = (
     "again to continue.")
 DEFAULT_K = 20
 MAX_CSV = 256  # per-board CSV files kept (the oldest deleted first)
+MAX_MESSAGE = 300  # characters of an error message that may quote an input
 
 
 @dataclass(frozen=True)
@@ -88,8 +97,17 @@ class HttpLimits:
     read_timeout: float = 30.0
     keep_alive: float = 5.0
     connections: int = 256
+    per_address: int = 64
+    write_timeout: float = 10.0
     max_body: int = 2**20
     max_upload: int = 16384
+    uploads: int = 64
+    streams: int = 128
+    streams_per_address: int = 8
+    stream_lifetime: float = 600.0
+    results: int = 256
+    results_per_address: int = 32
+    result_age: float = 120.0
     file_age: int = 3600
 
 
@@ -196,6 +214,12 @@ def link(criteria, contrast, topics, describe: str, k: int) -> str:
     else:
         params["topics"] = "\n".join(topics)
     return "?" + urlencode(params, quote_via=quote)
+
+
+def shared_k(text: str) -> int:
+    """A link's k: a plain decimal number, else DEFAULT_K (isdigit() alone takes "²", and 5,000
+    digits, both of which int() refuses)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else DEFAULT_K
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -393,7 +417,7 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
             if not any(key in params for key in URL_KEYS):
                 return gr.skip()  # every output as it is
             picked = [t for t in params.get("topics", "").split("\n") if t] or topics
-            k_value = int(params["k"]) if params.get("k", "").isdigit() else DEFAULT_K
+            k_value = shared_k(params.get("k", ""))
             form = {criteria: params.get("criteria", ""), contrast: params.get("contrast", ""),
                     chosen: [t for t in picked if t in topics],
                     describe: params.get("describe", ""),
@@ -423,14 +447,16 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                   api_visibility="private", **boards)
         gr.api(_rank_endpoint(service), api_name="rank", **boards)
     page.queue(max_size=queue_size, default_concurrency_limit=None)
-    _say_when_inputs_are_missing(page)
+    _one_line_input_errors(page)
     return page
 
 
-def _say_when_inputs_are_missing(page: gr.Blocks) -> None:
-    """An API call with too few inputs gets a message: Gradio's own check raises a ValueError
-    that the caller sees as {"error": null} (show_error=False) and the log as a traceback."""
-    check = page.validate_inputs
+def _one_line_input_errors(page: gr.Blocks) -> None:
+    """An API call with too few inputs, or an input its component cannot read (a number where a
+    list of topics belongs, a value outside a dropdown's choices), gets a one-line message:
+    Gradio's own checks raise errors that the caller sees as {"error": null} (show_error=False)
+    and the log as a traceback."""
+    check, preprocess = page.validate_inputs, page.preprocess_data
 
     def validate_inputs(block_fn, inputs) -> None:
         if len(inputs) < len(block_fn.inputs):
@@ -438,7 +464,17 @@ def _say_when_inputs_are_missing(page: gr.Blocks) -> None:
                            "given", print_exception=False)
         check(block_fn, inputs)
 
-    page.validate_inputs = validate_inputs
+    async def preprocess_data(block_fn, inputs, state, explicit_call=False):
+        try:
+            return await preprocess(block_fn, inputs, state, explicit_call)
+        except gr.Error as exc:  # Gradio's own ("not in the list of choices"): no traceback
+            raise gr.Error(" ".join(str(exc.message).split())[:MAX_MESSAGE],
+                           print_exception=False) from None
+        except Exception as exc:
+            raise gr.Error(f"{block_fn.name}: an input this page cannot read "
+                           f"({type(exc).__name__})", print_exception=False) from None
+
+    page.validate_inputs, page.preprocess_data = validate_inputs, preprocess_data
 
 
 def _rank_endpoint(service: Leaderboards) -> Callable:
@@ -483,8 +519,6 @@ class GradioServer(uvicorn.Server):
         """Gradio's multipart parser leaves an empty temporary file at the top of its upload
         folder for each upload of the votes file (the content goes to its cache, which it deletes
         itself): the empty `tmp*` files made there since this server started are removed."""
-        from gradio.utils import get_upload_folder
-
         for path in Path(get_upload_folder()).glob("tmp*"):
             try:
                 stat = path.stat()
@@ -503,10 +537,16 @@ def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None =
         footer_links=["api"], run_history=False, enable_monitoring=False, ssr_mode=False,
         mcp_server=False, theme=THEME, css=CSS, max_file_size=limits.max_upload)
     gradio_app = next(route.app for route in app.routes if hasattr(route.app, "stop_event"))
+    guarded = ServingGuard(BodyLimit(app, limits.max_body, limits.read_timeout),
+                           limits.streams_per_address, limits.streams, limits.stream_lifetime,
+                           limits.results_per_address, limits.results, limits.result_age,
+                           queue=page._queue, upload_bytes=limits.max_upload,
+                           uploads=limits.uploads, upload_folder=get_upload_folder())
     server = GradioServer(server_config(
-        BodyLimit(app, limits.max_body, limits.read_timeout), read_timeout=limits.read_timeout,
-        keep_alive=limits.keep_alive, connections=limits.connections, host=host, port=port,
-        log_level="warning", timeout_graceful_shutdown=5), page, gradio_app)
+        guarded, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
+        connections=limits.connections, per_address=limits.per_address,
+        write_timeout=limits.write_timeout, host=host, port=port, log_level="warning",
+        timeout_graceful_shutdown=5), page, gradio_app)
     if block:
         try:
             server.run()

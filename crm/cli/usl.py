@@ -37,12 +37,23 @@ class ServeConfig:
     read_timeout: float = MISSING  # crm.app.page.HttpLimits
     keep_alive: float = MISSING
     connections: int = MISSING
+    per_address: int = MISSING
+    write_timeout: float = MISSING
     max_body: int = MISSING
     max_upload: int = MISSING
+    uploads: int = MISSING
+    streams: int = MISSING
+    streams_per_address: int = MISSING
+    stream_lifetime: float = MISSING
+    results: int = MISSING
+    results_per_address: int = MISSING
+    result_age: float = MISSING
     file_age: int = MISSING
 
     def __post_init__(self):
-        for key in ("read_timeout", "keep_alive", "connections", "max_body", "max_upload", "file_age"):
+        for key in ("read_timeout", "keep_alive", "connections", "per_address", "write_timeout",
+                    "max_body", "max_upload", "uploads", "streams", "streams_per_address",
+                    "stream_lifetime", "results", "results_per_address", "result_age", "file_age"):
             if getattr(self, key) <= 0:  # a zero limit or timeout would refuse or drop every request
                 raise ValueError(f"serve.{key}={getattr(self, key)}: expected a number > 0")
 
@@ -148,9 +159,8 @@ def main(cfg: DictConfig) -> None:
           flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
     serve = cfg.serve
-    launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(
-        serve.read_timeout, serve.keep_alive, serve.connections, serve.max_body, serve.max_upload,
-        serve.file_age))
+    launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(**{
+        key: serve[key] for key in HttpLimits.__dataclass_fields__}))
 
 
 if __name__ == "__main__":

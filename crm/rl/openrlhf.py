@@ -21,8 +21,10 @@ ChatML or Llama-3 prompt, else the prompt as it is (`prompts` is never truncated
 
 OpenRLHF sends one sample per request, a whole rollout batch of requests at once, each on a new
 connection: uvicorn serves them from one event loop, its listen queue holds thousands (the
-standard library server's queue of 5 reset them), and concurrent requests are scored together in
-one reward call on one worker thread (crm/rl/batching.py; `batch_wait` seconds to gather them).
+standard library server's queue of 5 reset them), and concurrent requests are scored together on
+one worker thread (crm/rl/batching.py; `batch_wait` seconds to gather them), in slices of at most
+`slice_chars` characters that take turns between requests: a large request never holds the
+scorer for more than a slice.
 OpenRLHF scores each sample alone, so strategy `round_robin` (which needs the whole group) is
 refused: `reference` (the label's reference answer) for a pairwise CRM, `pointwise` for a
 pointwise one. Bad requests get HTTP 400 with {"error": "..."} (bodies over `Limits.body` bytes
@@ -30,12 +32,16 @@ pointwise one. Bad requests get HTTP 400 with {"error": "..."} (bodies over `Lim
 
 Hostile or degenerate input (a looping policy emits megabytes) is bounded before any expensive
 work (`Limits`): characters per prompt, response and label (CHARS_PER_TOKEN per token of the CRM's
-length; a query twice that), JSON nesting, samples per request, body bytes. A refusal quotes at
-most about 200 characters of the value at fault, in the answer and in the log. Parsing and sample
-splitting run on worker threads, never on the event loop, and take time linear in the input. A
-request's head and its body must each arrive within `read_timeout` seconds (408 and closed, or
-closed), an idle kept-alive connection is closed after `keep_alive` seconds, and past
-`connections` open connections uvicorn answers 503 at once.
+length; a query twice that), samples per request (so that the largest legal request costs a few
+seconds of scoring), JSON values and nesting (counted from the bytes before parsing), body bytes;
+text that is not Unicode (a lone surrogate) is refused too. A refusal quotes at most about 200
+characters of the value at fault, in the answer and in the log. Parsing and sample splitting run
+on worker threads, never on the event loop, and take time linear in the input (no pattern
+backtracks over a prompt). The connection guards are crm/core/http.py's: a head of at most 16 KiB
+and its body each due within `read_timeout` seconds (408 and closed, or closed), an answer the
+client does not read dropped after `write_timeout`, an idle kept-alive connection closed after
+`keep_alive` seconds, past `connections` open connections 503 at once, and past
+`address_connections` from one address 429 at once.
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ from typing import NamedTuple
 import uvicorn
 
 from crm.core.errors import excerpt
+from crm.core.json_shape import JsonShapeError, check_shape
+from crm.core.heap import return_free_memory
 from crm.core.http import BodyTooLarge, read_body, send_json, server_config
 from crm.inference.reward import CRMReward, CRMRewardError
 from crm.rl.batching import MicroBatcher
@@ -63,10 +71,22 @@ from crm.rl.labels import parse_label
 
 log = logging.getLogger("crm.rl.openrlhf")
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
-CHAT_USER = (re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S),  # ChatML (Qwen)
-             re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.S))
+_REVERSED_END = re.compile("(?:\\s|%s)*" % "|".join(re.escape(t[::-1]) for t in END_TOKENS))
+# A user turn's opening and closing markers: ChatML (Qwen), Llama 3.
+USER_TURNS = (("<|im_start|>user\n", "<|im_end|>"),
+              ("<|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>"))
 MAX_BODY = 16 * 2**20
-MAX_ITEMS = 4096
+# Samples per request: the largest legal request (every text at --max-chars) costs a few seconds
+# of scoring on the reference CPU (docs/RL.md "Limits"); OpenRLHF sends one.
+MAX_SAMPLES = 64
+# JSON values per sample that a request may hold, counted from the bytes before parsing
+# (crm/core/json_shape.py): the format needs about 12, and 2 more per criterion (about 25 fit).
+VALUES_PER_SAMPLE = 64
+# Characters (summed over a sample's texts) scored in one turn of the scorer: a request's samples
+# are scored in slices of at most this, interleaved with other requests' (crm/rl/batching.py), so
+# no request holds the scorer for longer than one slice takes (docs/RL.md "Limits").
+SLICE_CHARS = 131_072
+SLICE_SAMPLES = 512
 # Characters a prompt, a response or a label may hold per token of the CRM's length (max_tokens):
 # text that many times longer than the CRM reads is degenerate (natural text is 3-5 characters a
 # token), and refusing it first keeps megabytes out of the tokenizer.
@@ -75,12 +95,17 @@ MAX_DEPTH = 8  # JSON nesting; the format needs 4 (body, its lists, a label obje
 READ_TIMEOUT = 30.0  # seconds for a request's head, and again for its body
 KEEP_ALIVE = 5  # seconds an idle kept-alive connection stays open (uvicorn's default)
 MAX_CONNECTIONS = 4096  # open connections; past them uvicorn answers 503 (OpenRLHF retries)
+WRITE_TIMEOUT = 10.0  # seconds an answer may wait for a client that reads none of it
+# The share of the open connections one client address may hold (OpenRLHF's whole rollout batch
+# comes from one trainer): the rest stay for the others.
+ADDRESS_SHARE = 0.75
 # A left-truncated query must still hold this many characters of its prompt's end (the
 # generation header: ChatML's "<|im_start|>assistant\n" is 22), so an unrelated query is refused.
 MIN_OVERLAP = 16
 # Pending connections the kernel queues (capped by net.core.somaxconn): OpenRLHF opens one per
 # sample, a rollout batch at once; past the queue the kernel resets them.
 LISTEN_QUEUE = 4096
+TRIM_AFTER = 2**20  # body bytes past which the freed memory is handed back after the request
 MAX_REASON = 1000  # characters of a refusal's reason, in the answer and the log
 
 
@@ -93,12 +118,24 @@ class Limits:
     """What one request may hold and how long it may take to arrive (docs/RL.md, "OpenRLHF")."""
 
     chars: int  # per prompt, response and label (its strings summed); a query (both) twice this
-    items: int = MAX_ITEMS  # samples per request
+    items: int = MAX_SAMPLES  # samples per request
     depth: int = MAX_DEPTH  # JSON nesting
     body: int = MAX_BODY  # bytes
     read_timeout: float = READ_TIMEOUT
     keep_alive: int = KEEP_ALIVE
     connections: int = MAX_CONNECTIONS
+    per_address: int | None = None  # open connections per client address; None: ADDRESS_SHARE
+    write_timeout: float = WRITE_TIMEOUT
+    slice_chars: int = SLICE_CHARS
+
+    @property
+    def values(self) -> int:
+        """JSON values a request may hold."""
+        return VALUES_PER_SAMPLE * self.items + 16
+
+    @property
+    def address_connections(self) -> int:
+        return self.per_address or max(1, int(ADDRESS_SHARE * self.connections))
 
     @classmethod
     def of(cls, reward: CRMReward, chars: int | None = None, **kwargs) -> Limits:
@@ -181,26 +218,60 @@ def split_sample(query: str, prompt: str, label, row: int, limits: Limits) -> Sa
     _check_size(row, "query", query, len(query), 2 * limits.chars)
     _check_size(row, "prompt", prompt, len(prompt), limits.chars)
     _check_size(row, "label", label, measure(label, limits.depth), limits.chars)
+    _check_text(row, "query", query)
+    _check_text(row, "prompt", prompt)
     response = response_after(query, prompt)
     if response is None:
         raise RequestError(f"row {row}: the query holds neither its prompt nor an end piece of it "
                            f"({MIN_OVERLAP}+ characters) followed by the response")
     _check_size(row, "response", response, len(response), limits.chars)
-    stripped = True
-    while stripped:
-        stripped = False
-        for token in END_TOKENS:
-            if response.rstrip().endswith(token):
-                response, stripped = response.rstrip()[:-len(token)], True
     try:
         parsed = parse_label(label, row)
     except CRMRewardError as exc:
         raise RequestError(str(exc)) from None
+    for name, text in (("label's query", parsed.query), ("reference", parsed.reference),
+                       *(("criteria", c) for c in parsed.criteria)):
+        if isinstance(text, str):
+            _check_text(row, name, text)
     user = parsed.query
     if user is None:
-        match = next((m for m in (p.search(prompt) for p in CHAT_USER) if m), None)
-        user = match.group(1) if match else prompt
-    return Sample(user, response.strip(), parsed.criteria, parsed.reference)
+        user = first_user_turn(prompt)
+    return Sample(prompt if user is None else user, without_end_tokens(response),
+                  parsed.criteria, parsed.reference)
+
+
+def first_user_turn(prompt: str) -> str | None:
+    """The text of `prompt`'s first user turn (ChatML's, else Llama 3's), or None.
+
+    Two find() calls per template, each linear: an opening marker with no closing marker after it
+    ends the search, since every later opening lacks one too. (A lazy regex, `(.*?)<|im_end|>`,
+    read from every opening to the prompt's end: quadratic in a prompt of repeated openings.)"""
+    for opening, closing in USER_TURNS:
+        start = prompt.find(opening)
+        if start >= 0:
+            end = prompt.find(closing, start + len(opening))
+            if end >= 0:
+                return prompt[start + len(opening):end]
+    return None
+
+
+def without_end_tokens(response: str) -> str:
+    """`response` without its trailing end tokens and the whitespace around them, matched once
+    from the end: on the reversed text a greedy match anchored at its start never backtracks
+    over the text (cutting a copy per token was quadratic in a response of end tokens)."""
+    tail = _REVERSED_END.match(response[::-1])
+    return response[:len(response) - tail.end()].strip()
+
+
+def _check_text(row: int, what: str, text: str) -> None:
+    """Text the tokenizer and the caches' hashes can read: valid Unicode (JSON's \\ud800 escape
+    gives a lone surrogate, which no encoder takes)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"row {row}: the {what} holds a lone surrogate at character "
+                               f"{exc.start} (not Unicode text)") from None
 
 
 def _check_size(row: int, what: str, value, size: int, most: int) -> None:
@@ -211,7 +282,14 @@ def _check_size(row: int, what: str, value, size: int, most: int) -> None:
 
 
 def parse_body(body: bytes, strategy: str, limits: Limits) -> list[Sample]:
-    """The samples of one request body as bytes; bad input: RequestError."""
+    """The samples of one request body as bytes; bad input: RequestError. The body's shape is
+    bounded before it is parsed (crm/core/json_shape.py): json.loads holds the GIL throughout, and
+    16 MiB of `[],[],...` would cost it seconds and the process hundreds of megabytes."""
+    try:
+        check_shape(body or b"null", limits.depth, limits.values)
+    except JsonShapeError as exc:
+        raise RequestError(f"{exc} (at most {limits.depth} levels and {VALUES_PER_SAMPLE} values "
+                           f"a sample: {limits.values} for --max-samples {limits.items})") from None
     try:
         data = json.loads(body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -220,7 +298,6 @@ def parse_body(body: bytes, strategy: str, limits: Limits) -> list[Sample]:
         raise RequestError(f"JSON nested deeper than {limits.depth} levels") from None
     except ValueError as exc:  # e.g. a number past Python's digit limit
         raise RequestError(f"not JSON this server reads: {excerpt(str(exc))}") from None
-    measure(data, limits.depth)
     return samples_of(data, strategy, limits)
 
 
@@ -233,7 +310,8 @@ def samples_of(body, strategy: str, limits: Limits) -> list[Sample]:
     if not len(queries) == len(prompts) == len(labels):
         raise RequestError(f"{len(queries)} queries, {len(prompts)} prompts, {len(labels)} labels")
     if len(queries) > limits.items:
-        raise RequestError(f"{len(queries)} samples in one request; at most {limits.items}")
+        raise RequestError(f"{len(queries)} samples in one request; at most {limits.items} "
+                           "(--max-samples)")
     samples = [split_sample(q, p, lab, i, limits)
                for i, (q, p, lab) in enumerate(zip(queries, prompts, labels))]
     missing = [i for i, s in enumerate(samples) if s.reference is None]
@@ -241,6 +319,15 @@ def samples_of(body, strategy: str, limits: Limits) -> list[Sample]:
         raise RequestError(f"rows {missing[:5]}: strategy 'reference' needs a reference answer: "
                            'the label\'s "reference" key ({"criteria": [...], "reference": "..."})')
     return samples
+
+
+def check(reward: CRMReward, samples: list[Sample]) -> None:
+    """The reward's own checks of every sample (the criteria and query fit the CRM, ...), rows
+    named as in the request: run on the scorer's thread (its tokenizer is that thread's) before a
+    request of several samples is scored in slices, so that one refused for its last sample costs
+    no forward and its error names the right row."""
+    reward.rows([s.query for s in samples], [s.response for s in samples],
+                {reward.criteria_column: [s.criteria for s in samples]})
 
 
 def score(reward: CRMReward, samples: list[Sample]) -> list[float]:
@@ -256,12 +343,19 @@ def answer(values: list[float]) -> dict:
     return {"rewards": values, "scores": values, "extra_logs": {"crm_reward": values}}
 
 
+def sample_chars(sample: Sample) -> int:
+    """What a sample costs the scorer, roughly: its characters."""
+    return (len(sample.query) + len(sample.response) + len(sample.reference or "")
+            + sum(len(c) for c in sample.criteria if isinstance(c, str)))
+
+
 class RewardApp:
     """The ASGI application: POST a request body (any path, as OpenRLHF's URL says), get rewards."""
 
     def __init__(self, reward: CRMReward, batch_wait: float = 0.01, limits: Limits | None = None):
         self.reward, self.limits = reward, limits or Limits.of(reward)
-        self.batcher = MicroBatcher(lambda samples: score(reward, samples), batch_wait)
+        self.batcher = MicroBatcher(lambda samples: score(reward, samples), batch_wait,
+                                    SLICE_SAMPLES, self.limits.slice_chars, sample_chars)
         # Parsing and splitting off the event loop, on threads of their own: a large request is
         # never parsed behind a scoring, nor makes the loop wait.
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="crm-parse")
@@ -277,14 +371,23 @@ class RewardApp:
             body = await read_body(receive, self.limits.body, self.limits.read_timeout)
         except TimeoutError:
             return await self._refuse(send, client, HTTPStatus.REQUEST_TIMEOUT, "the body did not "
-                                      f"arrive within {self.limits.read_timeout:g} s", close=True)
+                                      f"arrive within {self.limits.read_timeout:g} s")
         except BodyTooLarge as exc:
-            return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc),
-                                      close=True)
+            return await self._refuse(send, client, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc))
+        size, loop = len(body), asyncio.get_running_loop()
         try:
-            samples = await asyncio.get_running_loop().run_in_executor(
+            await self._answer(send, client, body)
+        finally:
+            if size >= TRIM_AFTER:  # what its parse and its slices freed, back to the system
+                await loop.run_in_executor(self.parser, return_free_memory)
+
+    async def _answer(self, send, client: str, body: bytes) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            samples = await loop.run_in_executor(
                 self.parser, parse_body, body, self.reward.strategy, self.limits)
-            del body
+            if len(samples) > 1:  # one sample is one slice: scored whole or refused whole
+                await loop.run_in_executor(self.batcher.executor, check, self.reward, samples)
             values = await self.batcher(samples)
         except (RequestError, CRMRewardError) as exc:
             return await self._refuse(send, client, HTTPStatus.BAD_REQUEST, str(exc))
@@ -294,13 +397,14 @@ class RewardApp:
                                       f"internal error ({type(exc).__name__}): the server logged it")
         await send_json(send, HTTPStatus.OK, answer(values))
 
-    async def _refuse(self, send, client: str, status: HTTPStatus, reason: str,
-                      close: bool = False) -> None:
+    async def _refuse(self, send, client: str, status: HTTPStatus, reason: str) -> None:
+        """A one-line refusal, logged, its connection closed after it: a client that pipelines
+        bad requests (thousands of GETs on one connection) gets one answer, not one each."""
         # Messages quote user input through excerpt(); the cut and the escapes are the last guard
         # (a log handler writing UTF-8 fails on a lone surrogate).
         reason = reason[:MAX_REASON].encode("utf-8", "backslashreplace").decode("utf-8")
         log.warning("%s %d %s", client, status, reason)  # OpenRLHF's client logs only the status
-        await send_json(send, status, {"error": reason}, close)
+        await send_json(send, status, {"error": reason}, close=True)
 
     def close(self) -> None:
         self.batcher.close()
@@ -317,7 +421,8 @@ class RewardServer:
         limits = app.limits
         self.server = uvicorn.Server(server_config(
             app, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
-            connections=limits.connections, backlog=LISTEN_QUEUE, lifespan="off",
+            connections=limits.connections, per_address=limits.address_connections,
+            write_timeout=limits.write_timeout, backlog=LISTEN_QUEUE, lifespan="off",
             access_log=False, log_level="warning"))
         self.thread: threading.Thread | None = None
 
@@ -370,14 +475,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-chars", type=int, default=None,
                         help=f"characters per prompt, response and label (a query: twice); default "
                              f"{CHARS_PER_TOKEN} x the CRM's max_tokens")
+    parser.add_argument("--max-samples", type=int, default=MAX_SAMPLES,
+                        help="samples per request (OpenRLHF sends one)")
+    parser.add_argument("--slice-chars", type=int, default=SLICE_CHARS,
+                        help="characters of samples scored in one turn: a request of more is "
+                             "scored in turns with the others")
     parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
                         help="seconds a request's head, then its body, may take to arrive")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
                         help="open connections; past them the server answers 503")
+    parser.add_argument("--max-connections-per-address", type=int, default=None,
+                        help=f"open connections from one client address; past them 429 (default "
+                             f"{ADDRESS_SHARE:.0%} of --max-connections)")
+    parser.add_argument("--write-timeout", type=float, default=WRITE_TIMEOUT,
+                        help="seconds an answer may wait for a client that reads none of it")
     parser.add_argument("--cache-size", type=int, default=100_000,
                         help="entries of the verdict cache and of the criteria-fit cache (LRU)")
     args = parser.parse_args(argv)
-    for flag in ("max_chars", "read_timeout", "max_connections", "cache_size"):
+    for flag in ("max_chars", "max_samples", "slice_chars", "read_timeout", "max_connections",
+                 "max_connections_per_address", "write_timeout", "cache_size"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -391,8 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         strategy = args.strategy or ("pointwise" if scorer.kind == "pointwise" else "reference")
         reward = CRMReward(scorer, strategy, tau=args.tau, log_odds=args.log_odds,
                            cache_size=args.cache_size)
-        limits = Limits.of(reward, args.max_chars, read_timeout=args.read_timeout,
-                           connections=args.max_connections)
+        limits = Limits.of(reward, args.max_chars, items=args.max_samples,
+                           read_timeout=args.read_timeout, connections=args.max_connections,
+                           per_address=args.max_connections_per_address,
+                           write_timeout=args.write_timeout, slice_chars=args.slice_chars)
         server = make_server(reward, args.host, args.port, args.batch_wait, limits)
     except (CRMRewardError, OSError) as exc:
         print(f"crm.rl.openrlhf: {exc}", file=sys.stderr)

@@ -306,6 +306,14 @@ def test_page_rendering_escapes_and_links_round_trip(tmp_path):
     assert query == {"criteria": ["c"], "contrast": ["d"], "describe": ["I cook"], "k": ["7"]}
 
 
+def test_a_links_k_is_a_plain_number_or_the_default():
+    from crm.app.page import DEFAULT_K, shared_k
+
+    assert shared_k("7") == 7
+    for bad in ["\u00b2", "\u0663", "9" * 5000, "-3", "1e3", "", " 7"]:
+        assert shared_k(bad) == DEFAULT_K, bad
+
+
 def test_the_default_board_ranks_under_the_generic_criterion(tmp_path):
     from crm.app.page import default_board
 

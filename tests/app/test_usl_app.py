@@ -38,6 +38,8 @@ MODELS = sorted(BENCH_MODELS)
 # Two criteria as the demo's users write them (a CRM trained on the demo follows them)
 CRITERIA = [TRAIN_WORDINGS["concise"][0], TRAIN_WORDINGS["prose"][1]]
 READ_TIMEOUT = 2  # serve.read_timeout of the served app: a stalled connection's deadline
+WRITE_TIMEOUT = 2  # serve.write_timeout: how long an answer waits for a client that never reads
+RESULT_AGE = 3  # serve.result_age: how long an API result waits to be read
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -73,7 +75,8 @@ def app(tmp_path_factory):
             [str(Path(sys.executable).parent / "crm-usl"), f"checkpoint={export}",
              f"bench={bench}", f"baseline={BENCH_BASELINE}", f"port={urlsplit(url).port}",
              f"cache.dir={root / 'cache'}", f"hydra.run.dir={root / 'run'}",
-             f"serve.read_timeout={READ_TIMEOUT}"],
+             f"serve.read_timeout={READ_TIMEOUT}", f"serve.write_timeout={WRITE_TIMEOUT}",
+             f"serve.result_age={RESULT_AGE}"],
             stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in temp.items()}})
     wait_for_server(url, proc, log)
@@ -347,10 +350,12 @@ def test_the_page_shows_bad_input_as_text(app, page):
 
 # -- hostile and oversized requests (issue 35) ------------------------------------------------------
 
-def raw_request(url: str, data: bytes, timeout: float = 10) -> bytes:
-    """`data` on a fresh connection; everything the server sends until it closes it."""
+def raw_request(url: str, data: bytes, timeout: float = 10, source: str = "127.0.0.1") -> bytes:
+    """`data` on a fresh connection from `source`; everything the server sends until it closes
+    it."""
     address = urlsplit(url)
-    with socket.create_connection((address.hostname, address.port), timeout=timeout) as s:
+    with socket.create_connection((address.hostname, address.port), timeout=timeout,
+                                  source_address=(source, 0)) as s:
         s.sendall(data)
         answer = b""
         while chunk := s.recv(65536):
@@ -358,18 +363,43 @@ def raw_request(url: str, data: bytes, timeout: float = 10) -> bytes:
     return answer
 
 
-def test_the_http_layer_refuses_a_50mb_body_and_an_upload_over_the_limit(app):
-    """A 50 MB body is refused (413) from its Content-Length, before a byte of it is read; an
-    upload over max_upload (16 KiB: the votes file) is refused by Gradio."""
+def test_the_http_layer_refuses_a_50mb_body_and_any_upload_but_the_votes_file(app):
+    """A 50 MB body is refused (413) from its Content-Length, before a byte of it is read; the
+    upload route takes the page's one upload, the votes file: a file over max_upload (16 KiB) or
+    several files in a request get a one-line 413 and nothing is written; upload progress is
+    closed (404)."""
     head = (f"POST /gradio_api/call/rank HTTP/1.1\r\nHost: {urlsplit(app['url']).netloc}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {50 * 2**20}\r\n\r\n").encode()
     t0 = time.perf_counter()
     answer = raw_request(app["url"], head + b'{"data": ["' + b"x" * 65536)
     assert answer.startswith(b"HTTP/1.1 413") and b"over 1048576 bytes" in answer
     assert time.perf_counter() - t0 < 5
+    def files() -> set:
+        return {p for p in (app["root"] / "gradio").rglob("*") if p.is_file()}
+
+    before = files()
     upload = httpx.post(f"{app['url']}/gradio_api/upload",
                         files={"files": ("big.txt", b"x" * 32768, "text/plain")}, timeout=30)
-    assert upload.status_code == 413, upload.text
+    assert upload.status_code == 413 and "at most 16384 bytes" in upload.json()["detail"]
+    for route in ("/gradio_api/upload", "/upload"):
+        upload = httpx.post(f"{app['url']}{route}", timeout=30,
+                            files=[("files", (f"{i}.txt", b"x" * 1000, "text/plain"))
+                                   for i in range(50)])
+        assert upload.status_code == 413 and "takes one file" in upload.json()["detail"]
+    progress = httpx.get(f"{app['url']}/gradio_api/upload_progress", timeout=30)
+    assert progress.status_code == 404
+    assert not {p for p in files() - before if p.name != "leaderboard.csv"}  # boards' downloads only
+
+
+def test_json_bombs_are_refused_before_gradio_parses_them(app):
+    """1 MiB of `[],[],...` or of deep nesting through /rank: a one-line 400 at once."""
+    for body in [b'{"data": [' + b"[]," * 300_000 + b"[]]}",
+                 b'{"data": [' + b"[" * 40 + b"]" * 40 + b"]}"]:
+        t0 = time.perf_counter()
+        answer = httpx.post(f"{app['url']}/gradio_api/call/rank", content=body, timeout=30,
+                            headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400 and time.perf_counter() - t0 < 5
+        assert "JSON with over 10000 values" in answer.text or "nested deeper" in answer.text
 
 
 def api_call(url: str, data: list) -> str:
@@ -394,6 +424,11 @@ def test_api_mistakes_are_messages_to_the_user(app, data, message):
     assert "event: error" in answer and message in answer, answer
 
 
+def connect_from(url: str, source: str) -> socket.socket:
+    address = urlsplit(url)
+    return socket.create_connection((address.hostname, address.port), timeout=10,
+                                    source_address=(source, 0))
+
 
 def test_stalled_connections_are_closed_within_the_read_timeout(app):
     """A part of a head, or a head and part of a body, then nothing: the server closes each
@@ -410,3 +445,104 @@ def test_stalled_connections_are_closed_within_the_read_timeout(app):
         t.join(timeout=READ_TIMEOUT + 15)
     assert len(results) == 20 and time.perf_counter() - t0 < READ_TIMEOUT + 8
     assert sorted(r[:12] for r in results) == [b""] * 10 + [b"HTTP/1.1 408"] * 10
+
+
+def test_one_address_holds_a_share_of_connections_and_streams(app):
+    """64 silent connections from 127.0.0.3 (serve.per_address): its next gets a one-line 429
+    at once. 8 heartbeat streams from 127.0.0.2 (serve.streams_per_address): its ninth gets 429.
+    Meanwhile 127.0.0.1 is served."""
+    held = [connect_from(app["url"], "127.0.0.3") for _ in range(64)]
+    try:
+        time.sleep(0.5)  # accepted
+        with connect_from(app["url"], "127.0.0.3") as extra:
+            answer = extra.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 429") and b"more than 64 open connections" in answer
+        assert httpx.get(f"{app['url']}/gradio_api/info", timeout=10).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+    netloc = urlsplit(app["url"]).netloc
+    streams = []
+    try:
+        for i in range(8):
+            s = connect_from(app["url"], "127.0.0.2")
+            s.sendall(f"GET /gradio_api/heartbeat/s{i} HTTP/1.1\r\nHost: {netloc}\r\n\r\n".encode())
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")  # streaming
+            streams.append(s)
+        answer = raw_request(app["url"], f"GET /gradio_api/heartbeat/s9 HTTP/1.1\r\nHost: "
+                                         f"{netloc}\r\n\r\n".encode(), source="127.0.0.2")
+        assert answer.startswith(b"HTTP/1.1 429") and b"too many open event streams" in answer
+        assert httpx.get(f"{app['url']}/gradio_api/info", timeout=10).status_code == 200
+    finally:
+        for s in streams:
+            s.close()
+
+
+def test_a_client_that_never_reads_is_dropped(app):
+    """Pipelined requests for the page, never read: once its answers fill the buffers the
+    connection is dropped within serve.write_timeout."""
+    address = urlsplit(app["url"])
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((address.hostname, address.port))
+    s.setblocking(False)
+    request = f"GET / HTTP/1.1\r\nHost: {address.netloc}\r\n\r\n".encode() * 200
+    dropped, deadline = None, time.monotonic() + WRITE_TIMEOUT + 20
+    try:
+        while time.monotonic() < deadline:
+            try:
+                s.send(request)
+            except BlockingIOError:  # the server reads no more: its answers wait
+                pass
+            except OSError as exc:
+                dropped = exc
+                break
+            time.sleep(0.2)
+    finally:
+        s.close()
+    assert isinstance(dropped, (ConnectionResetError, BrokenPipeError)), dropped
+    assert httpx.get(f"{app['url']}/gradio_api/info", timeout=10).status_code == 200
+
+
+def page_call(url: str, api_name: str, data: list) -> str:
+    """One of the page's own (private) handlers called through Gradio's queue, as the browser
+    calls it, with whatever inputs: the session's event stream."""
+    config = httpx.get(f"{url}/config", timeout=30).json()
+    fn = next(d for d in config["dependencies"] if d.get("api_name") == api_name)
+    session = f"test-{api_name}-{time.monotonic_ns()}"
+    joined = httpx.post(f"{url}/gradio_api/queue/join", timeout=30, json={
+        "data": data, "fn_index": fn["id"], "session_hash": session, "event_data": None,
+        "trigger_id": None})
+    assert joined.status_code == 200, joined.text
+    return httpx.get(f"{url}/gradio_api/queue/data", params={"session_hash": session},
+                     timeout=120).text
+
+
+@pytest.mark.parametrize("api_name, data, message", [
+    ("generate", ["be brief", "", 5, "", 5], "an input this page cannot read"),
+    ("generate", ["be brief", "", [], "cooking", "abc"], "an input this page cannot read"),
+    ("generate", [7, "", [], "", 5], "Cannot rank:** No topic selected"),
+    ("drill", [["x"], None], "is not in the list of choices"),
+], ids=["topics-number", "k-text", "criteria-number", "model-list"])
+def test_the_pages_own_handlers_answer_wrong_types_in_one_line(app, api_name, data, message):
+    answer = page_call(app["url"], api_name, data)
+    assert '"error": null' not in answer and "Traceback" not in answer
+    assert message in answer, answer
+
+
+def test_api_results_never_read_are_bounded_per_address_and_expire(app):
+    """32 /rank calls from 127.0.0.4 whose results it never reads (serve.results_per_address):
+    its next call gets a one-line 429 while 127.0.0.1 is served; once they are RESULT_AGE
+    seconds old they are dropped and 127.0.0.4 may call again."""
+    def call(http) -> httpx.Response:
+        return http.post(f"{app['url']}/gradio_api/call/rank", timeout=30,
+                         json={"data": ["General user preference", []]})
+
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.4")) as http:
+        t0 = time.monotonic()
+        assert [call(http).status_code for _ in range(32)] == [200] * 32
+        refused = call(http)
+        assert refused.status_code == 429 and "not read yet (32 from 127.0.0.4" in refused.text
+        assert "event: complete" in api_call(app["url"], ["General user preference", []])
+        time.sleep(max(0.0, RESULT_AGE + 0.3 - (time.monotonic() - t0)))
+        assert call(http).status_code == 200

@@ -42,9 +42,12 @@ def rss_mb(pid: int | None = None) -> float:
 @pytest.fixture(scope="module")
 def server():
     """The server in this process (its RSS is this process's), its limits raised to 2 M
-    characters so that a 1.5 MB query is split rather than refused, a short read timeout."""
+    characters so that a 1.5 MB query is split rather than refused and to 4,096 samples a
+    request (issue 35's sizes), a short read timeout, one address allowed past the connection
+    limit (which the tests reach)."""
     reward = CRMReward(tiny_scorer(), "reference", cache_size=FIT_CACHE)
-    limits = Limits.of(reward, 2_000_000, read_timeout=READ_TIMEOUT, connections=CONNECTIONS)
+    limits = Limits.of(reward, 2_000_000, items=4096, read_timeout=READ_TIMEOUT,
+                       connections=CONNECTIONS, per_address=CONNECTIONS + 1)
     running = make_server(reward, "127.0.0.1", 0, batch_wait=0.01, limits=limits).start()
     assert post(running.url, SMALL)[0] == 200  # warm-up: the first forward
     yield reward, running.url
