@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from crm.core.files import write_kept
 
 SUGGESTED = 100  # pairs queued per board: past the 30-100 votes a user gives
 
@@ -69,18 +70,4 @@ def votes_text(votes: dict[tuple[str, str], str]) -> str:
 def write_votes(votes: dict[tuple[str, str], str], directory: Path, keep: int = 256) -> Path:
     """votes.jsonl in a directory named after its contents (one file per set of votes); the
     `keep` most recently written are kept (every answer writes one)."""
-    content = votes_text(votes)
-    path = directory / hashlib.sha256(content.encode()).hexdigest()[:16] / "votes.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(content, encoding="utf-8")
-    written = sorted(directory.glob("*/votes.jsonl"), key=_mtime)
-    for old in written[:max(0, len(written) - keep)]:
-        shutil.rmtree(old.parent, ignore_errors=True)
-    return path
-
-
-def _mtime(path: Path) -> int:
-    try:
-        return path.stat().st_mtime_ns
-    except FileNotFoundError:  # deleted by a concurrent write
-        return 0
+    return write_kept(votes_text(votes), directory, "votes.jsonl", keep)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import csv
-import hashlib
 import html
 import logging
 import os
@@ -54,6 +53,7 @@ from fastapi import FastAPI
 from crm.app.calibrate import SUGGESTED, Calibration, sides, write_votes
 from crm.app.guards import ServingGuard
 from crm.app.service import BoardError, Leaderboards
+from crm.core.files import write_kept
 from crm.core.http import BodyLimit, server_config
 from crm.evaluation.leaderboard import DEFAULT_CRITERIA
 from crm.evaluation.render import interval, rank_set
@@ -187,21 +187,8 @@ def chart(doc: dict) -> str:
 def write_csv(frame: pd.DataFrame, directory: Path, keep: int = MAX_CSV) -> Path:
     """leaderboard.csv in a directory named after the table's contents (one file per board); the
     `keep` most recently written are kept."""
-    content = frame.to_csv(index=False, quoting=csv.QUOTE_MINIMAL)
-    path = directory / hashlib.sha256(content.encode()).hexdigest()[:16] / "leaderboard.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(content, encoding="utf-8")
-    boards = sorted(directory.glob("*/leaderboard.csv"), key=_written)
-    for old in boards[:max(0, len(boards) - keep)]:
-        shutil.rmtree(old.parent, ignore_errors=True)
-    return path
-
-
-def _written(path: Path) -> int:
-    try:
-        return path.stat().st_mtime_ns
-    except FileNotFoundError:  # deleted by a concurrent write
-        return 0
+    return write_kept(frame.to_csv(index=False, quoting=csv.QUOTE_MINIMAL), directory,
+                      "leaderboard.csv", keep)
 
 
 def link(criteria, contrast, topics, describe: str, k: int) -> str:

@@ -1,7 +1,9 @@
 """Files written whole or not at all."""
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 
@@ -14,3 +16,22 @@ def write_json(path: str | Path, obj) -> Path:
     tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def write_kept(content: str, directory: Path, name: str, keep: int) -> Path:
+    """`content` as directory/<its hash>/name (a download's file keeps its plain name), and only
+    the `keep` most recently written of directory/*/name kept (the oldest deleted first)."""
+    path = directory / hashlib.sha256(content.encode()).hexdigest()[:16] / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content, encoding="utf-8")
+    written = sorted(directory.glob(f"*/{name}"), key=_written)
+    for old in written[:max(0, len(written) - keep)]:
+        shutil.rmtree(old.parent, ignore_errors=True)
+    return path
+
+
+def _written(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:  # deleted by a concurrent write
+        return 0
