@@ -390,8 +390,16 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
     and query cannot fit the CRM get NaN scores (counted `unscorable`)."""
     from tqdm.auto import tqdm
 
+    from crm.inference.engine import RayScorer
     from crm.inference.reward import CRMReward
 
+    if isinstance(scorer, RayScorer):  # blocks of prompts over Ray's workers
+        scores, fits, forwards = scorer.score_groups(
+            [(item.criteria, item.query, item.completions) for item in items],
+            names=[item.id for item in items], sequences_per_call=SEQUENCES_PER_CALL)
+        return scores, {"prompts": len(items), "completions": sum(len(s) for s in scores),
+                        "unscorable": fits.count(False), "forwards": forwards,
+                        "strategy": "round_robin" if scorer.kind == "pairwise" else "pointwise"}
     reward = CRMReward(scorer)
     scorer_progress, scorer.progress = scorer.progress, False  # one bar, over prompts
     scores: list = [None] * len(items)
