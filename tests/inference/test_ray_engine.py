@@ -287,6 +287,24 @@ def test_engine_ray_without_ray_installed_names_the_extra(pairwise_export, tmp_p
                    "(or engine=local)")
 
 
+def test_a_crm_usl_board_on_the_pool_equals_engine_local(pool, pairwise_export, demo_root):
+    """crm-usl's service (crm/app/service.py) takes a RayScorer where it takes a CRMScorer."""
+    from crm.app.cache import VerdictCache
+    from crm.app.service import Leaderboards
+    from crm.inference.scorer import CRMScorer
+
+    selection = select(demo_files(demo_root)[1], "baseline")
+
+    def board(scorer):
+        service = Leaderboards(scorer, selection, crm_fingerprint="crm", bench_fingerprint="bench",
+                               version="test", cache=VerdictCache(None))
+        criteria = service.criteria("I prefer short, to-the-point answers.")
+        return service.board(criteria, service.choose(None))
+
+    spread = board(ray_scorer(pool, pairwise_export, None))
+    assert spread["rows"] == board(CRMScorer.load(pairwise_export))["rows"]
+
+
 def test_a_block_that_keeps_killing_its_worker_stops_the_job_naming_its_rows(
         pool, pairwise_export, demo_root, tmp_path):
     """Last of the module: its pool's workers are left restarting."""
@@ -302,3 +320,4 @@ def test_a_block_that_keeps_killing_its_worker_stops_the_job_naming_its_rows(
     assert not (task / "000003.npz").exists()
     failed = json.loads((task / "failed-000003.json").read_text())
     assert failed["rows"] == [e.key for e in examples[-8:]] and failed["deaths"] == 2
+
