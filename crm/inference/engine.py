@@ -299,9 +299,12 @@ def connect(config: EngineConfig) -> bool:
         return True
     try:
         ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
+        # e.g. no cluster on this machine (auto), or a cluster that wants a token this process
+        # lacks (RAY_AUTH_TOKEN_PATH)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"engine.address={config.address}: cannot join a Ray cluster: {first}") from None
+        raise ConfigError(f"engine.address={config.address}: cannot join a Ray cluster: "
+                          f"{first}") from None
     return True
 
 
@@ -543,9 +546,6 @@ class RayScorer:
         if self.run_dir is None:
             return
         write_json(self.run_dir / "engine.json", {**self.pool.describe(), "tasks": self.tasks})
-
-    def describe(self) -> dict:
-        return {**self.pool.describe(), "tasks": self.tasks}
 
     def close(self) -> None:
         """The pool stopped, where this scorer started it."""
