@@ -117,6 +117,9 @@ def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
 
     if not Path(cfg.checkpoint).exists():
         raise ConfigError(f"checkpoint={cfg.checkpoint}: no such export directory or checkpoint")
+    # Bars redraw with carriage returns: in a terminal they vanish, in a log file or a pipe they
+    # stay, glued to the results table the command prints next. Shown on a terminal only.
+    progress = cfg.progress and sys.stderr.isatty()
     if cfg.engine.name == "ray":
         from crm.inference.engine import RayScorer, ScorerLoader, checkpoint_identity
 
@@ -125,13 +128,10 @@ def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
                               "gives it (engine.gpus_per_worker; 0: CPU): leave device=auto")
         loader = ScorerLoader(str(cfg.checkpoint), cfg.batch_size, cfg.dtype, cfg.compile,
                               cfg.prefix_reuse)
-        return RayScorer.start(loader, cfg.engine, run_dir=run_dir,
+        return RayScorer.start(loader, cfg.engine, run_dir=run_dir, progress=progress,
                                identity=checkpoint_identity(cfg.checkpoint) + f"/{cfg.dtype}")
     device = None if cfg.device == "auto" else torch.device(cfg.device)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    # Bars redraw with carriage returns: in a terminal they vanish, in a log file or a pipe they
-    # stay, glued to the results table the command prints next. Shown on a terminal only.
-    progress = cfg.progress and sys.stderr.isatty()
     if not progress:
         from transformers.utils import logging as hf_logging
 

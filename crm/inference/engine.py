@@ -436,8 +436,9 @@ class RayScorer:
 
     def __init__(self, pool: WorkerPool, *, identity: str, run_dir: str | Path | None = None,
                  on_block: Callable[[str, int], None] | None = None, owns_pool: bool = False,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, progress: bool = False):
         self.pool, self.identity, self.on_block = pool, identity, on_block
+        self.progress = progress  # a bar over each task's blocks (stderr)
         self.config = config or pool.config  # its block_prompts and block_attempts
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.owns_pool = owns_pool
@@ -519,17 +520,24 @@ class RayScorer:
             log.info("%s: %d of %d blocks already finished in %s: skipped", task, skipped,
                      len(blocks), store.dir)
         started = time.perf_counter()
+        from tqdm.auto import tqdm
+
         run = _BlockRun(self, op, task, blocks, names, arguments, store, results)
-        try:
-            run.until_done([b for b in range(len(blocks)) if b not in results])
-        finally:  # interrupted (Ctrl-C, an error): what is still queued is abandoned
-            run.abandon()
+        with tqdm(total=len(blocks), initial=skipped, disable=not self.progress, unit="block",
+                  desc=task, dynamic_ncols=True, leave=False) as run.bar:
+            try:
+                run.until_done([b for b in range(len(blocks)) if b not in results])
+            finally:  # interrupted (Ctrl-C, an error): what is still queued is abandoned
+                run.abandon()
         self._gather_check(task, blocks, results)
         for result in results.values():
             self.counts.update(result["counts"])
         self.tasks.append({"task": task, "op": op, "rows": rows_total, "blocks": len(blocks),
                            "skipped": skipped, "retried": run.retried,
                            "seconds": round(time.perf_counter() - started, 3)})
+        log.info("%s: %d rows in %d blocks on %d workers, %.1f s (%d skipped, %d redone)", task,
+                 rows_total, len(blocks), len(self.pool.actors), self.tasks[-1]["seconds"],
+                 skipped, run.retried)
         self._record()
         return [(blocks[b], results[b]) for b in range(len(blocks))]
 
@@ -598,6 +606,7 @@ class _BlockRun:
         result["rows"] = np.asarray(self.blocks[b], dtype=np.int64)
         self.store.save(b, result)
         self.results[b] = result
+        self.bar.update(1)
         if self.scorer.on_block is not None:
             self.scorer.on_block(self.task, b)
 
