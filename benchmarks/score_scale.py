@@ -11,7 +11,9 @@ rows by default). The CRM is the demo's tiny Qwen3 (configs/model/tiny.yaml) ran
 initialised, with a BPE trained on the demo's training data as crm-train trains it: a forward's
 cost does not depend on the weights.
 The machine's CPU and its load (`uptime`) before and after each measurement are recorded: the
-speed-up needs two otherwise idle cores.
+speed-up needs two otherwise idle cores. Each run's CPU seconds (local: the process's; ray: the
+driver's and the workers' in their blocks) give rows per CPU second, which a busy machine moves
+less than rows per second: what engine=ray costs in CPU over engine=local.
 
     python benchmarks/score_scale.py [--queries 2500] [--rounds 2] [--block-prompts 8] [--out FILE]
 """
@@ -84,11 +86,12 @@ def run_local(export: Path, selection, batch_size: int) -> tuple[dict, list]:
     start = time.perf_counter()
     scorer = CRMScorer.load(export, batch_size=batch_size, device=torch.device("cpu"))
     startup = time.perf_counter() - start
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outcomes = judge(scorer, selection, CRITERIA)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return ({"engine": "local", "threads": 1, "startup_seconds": round(startup, 2),
              "seconds": round(seconds, 2), "rows_per_s": round(len(outcomes) / seconds, 1),
+             "cpu_seconds": round(cpu, 2), "rows_per_cpu_s": round(len(outcomes) / cpu, 1),
              "load_before": before, "load_after": load()}, outcomes)
 
 
@@ -100,15 +103,18 @@ def run_ray(export: Path, selection, batch_size: int, block_prompts: int) -> tup
                              identity=checkpoint_identity(export))
     startup = time.perf_counter() - start
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outcomes = judge(scorer, selection, CRITERIA)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         scorer.close()
     return ({"engine": "ray", "workers": 2, "threads_per_worker": 1,
              "block_prompts": block_prompts, "blocks": scorer.tasks[0]["blocks"],
              "startup_seconds": round(startup, 2), "seconds": round(seconds, 2),
-             "rows_per_s": round(len(outcomes) / seconds, 1), "load_before": before,
+             "rows_per_s": round(len(outcomes) / seconds, 1),
+             "cpu_seconds": {"driver": round(cpu, 2), "workers": round(scorer.cpu_seconds, 2)},
+             "rows_per_cpu_s": round(len(outcomes) / (cpu + scorer.cpu_seconds), 1),
+             "load_before": before,
              "load_after": load()}, outcomes)
 
 

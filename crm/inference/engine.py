@@ -166,13 +166,16 @@ class ScoringWorker:
                 "min_turn_tokens": s.encoder.min_turn_tokens, "tokenizer": s.tokenizer}
 
     def pairs(self, examples: list, unfit: str, both_orders: bool) -> dict:
+        started = time.process_time()
         self.scorer.counts.clear()
         probs = self.scorer.pair_probabilities(examples, unfit=unfit, both_orders=both_orders)
-        return {"values": probs.float().numpy(), "counts": dict(self.scorer.counts)}
+        return {"values": probs.float().numpy(), "counts": dict(self.scorer.counts),
+                "cpu_seconds": np.float64(time.process_time() - started)}
 
     def groups(self, groups: list, sequences_per_call: int) -> dict:
         from crm.inference.reward import CRMReward
 
+        started = time.process_time()
         reward = CRMReward(self.scorer)
         self.scorer.counts.clear()
         fits = reward.fits([(criteria, query) for criteria, query, _ in groups])
@@ -185,7 +188,8 @@ class ScoringWorker:
         return {"values": np.asarray([v for vs in values for v in vs], dtype=np.float64),
                 "lengths": np.asarray([len(vs) for vs in values], dtype=np.int64),
                 "fits": np.asarray(fits, dtype=bool),
-                "counts": {**self.scorer.counts, "forwards": reward.counts["forwards"]}}
+                "counts": {**self.scorer.counts, "forwards": reward.counts["forwards"]},
+                "cpu_seconds": np.float64(time.process_time() - started)}
 
 
 def _calls(sizes: list[int], index: list[int], limit: int, pairwise: bool):
@@ -445,6 +449,7 @@ class RayScorer:
         self.kind, self.template, self.encoder = pool.kind, pool.template, pool.encoder
         self.tokenizer, self.dtype = pool.tokenizer, pool.dtype
         self.counts = Counter()  # the workers' CRMScorer counts, summed over every block
+        self.cpu_seconds = 0.0  # the workers' CPU time in the blocks, summed (skipped ones too)
         self.tasks: list[dict] = []
         self._calls = 0
         self._lock = threading.Lock()
@@ -532,6 +537,7 @@ class RayScorer:
         self._gather_check(task, blocks, results)
         for result in results.values():
             self.counts.update(result["counts"])
+            self.cpu_seconds += float(result.get("cpu_seconds", 0.0))
         self.tasks.append({"task": task, "op": op, "rows": rows_total, "blocks": len(blocks),
                            "skipped": skipped, "retried": run.retried,
                            "seconds": round(time.perf_counter() - started, 3)})
