@@ -12,7 +12,8 @@ PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check 
 install: $(BIN)/.installed
 
 # The RL adapters' tests drive the real clients (docs/RL.md "Versions"): openrlhf and verl installed
-# without their GPU stack (deepspeed, vllm, ray: tests/stubs.py stands in for ray), plus the small
+# without their GPU stack (deepspeed, vllm; ray comes with the dev extra, for engine=ray, and
+# tests/stubs.py stands in for it where it is missing), plus the small
 # modules the code they import needs. --no-deps: their pins (transformers, torch) are not ours.
 RL_CLIENTS := openrlhf==0.11.2 verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 codetiming==1.4.0 \
 	pylatexenc==2.10

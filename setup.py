@@ -31,6 +31,9 @@ INSTALL_REQUIRES = [
 ]
 APP_REQUIRES = ["gradio==6.31.0"]  # scikit-learn (similarity selection) is a core requirement
 RL_REQUIRES = ["trl==1.16.0"]  # crm-rl and crm.CRMReward with TRL's trainers (datasets comes with it)
+# engine=ray (crm/inference/engine.py): scoring over Ray workers and nodes. Ray core only (actors,
+# no ray[data]); the same ray on every node of a cluster, so pinned exactly.
+RAY_REQUIRES = ["ray==2.60.0"]
 
 setup(
     name="crm",
@@ -50,13 +53,17 @@ setup(
         "app": APP_REQUIRES,
         # crm-rl: GRPO with a CRM reward (TRL); the OpenRLHF server and verl function need no extra
         "rl": RL_REQUIRES,
+        # engine=ray: crm-eval, crm-leaderboard and crm-usl scoring on a Ray cluster (SLURM.md)
+        "ray": RAY_REQUIRES,
         # `crm-data topics --embedder DIR`: cluster sentence embeddings of a local model
         "embed": ["sentence-transformers==6.2.0"],
         # The tests compose the SLURM launcher config, drive the app (playwright: its browser
-        # tests, with the system's chromium) and run crm-rl, so dev includes the slurm, app and rl extras.
-        # pytest-xdist: `make test` runs the suite on two workers (tests/conftest.py shares the cores)
+        # tests, with the system's chromium), run crm-rl and score on Ray, so dev includes the
+        # slurm, app, rl and ray extras. pytest-xdist: `make test` runs the suite on two workers
+        # (tests/conftest.py shares the cores).
         "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "execnet==2.1.2", "ruff==0.17.5",
-                "hydra-submitit-launcher==1.2.0", "playwright==1.65.2", *APP_REQUIRES, *RL_REQUIRES],
+                "hydra-submitit-launcher==1.2.0", "playwright==1.65.2", *APP_REQUIRES, *RL_REQUIRES,
+                *RAY_REQUIRES],
     },
     entry_points={
         "console_scripts": [

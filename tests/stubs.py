@@ -3,8 +3,8 @@
 verl imports ray at module level everywhere (verl/protocol.py, its reward loop), but the code the
 tests drive (config loading, the reward loop worker, DataProto) never calls it on this path. A
 stub answers every `ray` and `ray.*` import with a MagicMock; anything that did call ray would get
-a mock back, not a cluster. Used only where the real package is missing, and only inside a
-`with stubbed(...)` block.
+a mock back, not a cluster. Used only where the real package is missing (the dev extra installs
+ray, for engine=ray: then verl imports the real one), and only inside a `with stubbed(...)` block.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from crm.core.errors import ConfigError
 from crm.core.records import RecordError
+from crm.inference.engine import EngineConfig
 
 
 def register_schema(command: str, schema: type) -> None:
@@ -90,6 +91,7 @@ class ScorerSettings:
     compile: Any = MISSING  # auto, true or false (crm.models.compile); Any: a str would take true as "True"
     prefix_reuse: bool = MISSING
     progress: bool = MISSING
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the `engine` group: local | ray
 
     def __post_init__(self):
         from crm.models.backbone import DTYPES
@@ -98,10 +100,15 @@ class ScorerSettings:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype}: expected auto, {', '.join(DTYPES)}")
         resolve(self.compile, "cpu")  # refuses all but auto, true and false (1 and 1.0 too)
+        if self.engine.name == "ray":  # at start, before any file is read
+            from crm.inference.engine import import_ray
+
+            import_ray()
 
 
-def load_scorer(cfg: ScorerSettings):
-    """The CRMScorer of `cfg.checkpoint` (an export dir or a crm-train checkpoint)."""
+def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
+    """The CRMScorer of `cfg.checkpoint` (an export dir or a crm-train checkpoint), or with
+    engine=ray a RayScorer whose workers each load it (`run_dir`: where its finished blocks go)."""
     import torch
 
     from crm.inference.scorer import CRMScorer
@@ -109,17 +116,34 @@ def load_scorer(cfg: ScorerSettings):
 
     if not Path(cfg.checkpoint).exists():
         raise ConfigError(f"checkpoint={cfg.checkpoint}: no such export directory or checkpoint")
-    device = None if cfg.device == "auto" else torch.device(cfg.device)
-    dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     # Bars redraw with carriage returns: in a terminal they vanish, in a log file or a pipe they
     # stay, glued to the results table the command prints next. Shown on a terminal only.
     progress = cfg.progress and sys.stderr.isatty()
+    if cfg.engine.name == "ray":
+        from crm.inference.engine import RayScorer, ScorerLoader, checkpoint_identity
+
+        if cfg.device != "auto":
+            raise ConfigError(f"device={cfg.device} with engine=ray: each worker runs on what Ray "
+                              "gives it (engine.gpus_per_worker; 0: CPU): leave device=auto")
+        loader = ScorerLoader(str(cfg.checkpoint), cfg.batch_size, cfg.dtype, cfg.compile,
+                              cfg.prefix_reuse)
+        return RayScorer.start(loader, cfg.engine, run_dir=run_dir, progress=progress,
+                               identity=checkpoint_identity(cfg.checkpoint) + f"/{cfg.dtype}")
+    device = None if cfg.device == "auto" else torch.device(cfg.device)
+    dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     if not progress:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" too
     return CRMScorer.load(cfg.checkpoint, batch_size=cfg.batch_size, device=device, dtype=dtype,
                           prefix_reuse=cfg.prefix_reuse, progress=progress, compile=cfg.compile)
+
+
+def close_scorer(scorer) -> None:
+    """A RayScorer's workers stopped (and a Ray it started); a CRMScorer holds nothing to stop."""
+    close = getattr(scorer, "close", None)
+    if close is not None:
+        close()
 
 
 _MODEL = re.compile(r"^(\+{0,2})model(\.path)?=")

@@ -21,8 +21,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, load_scorer,
-                            one_line_config_errors, register_schema, settings)
+from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, close_scorer,
+                            load_scorer, one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.records import load_records
@@ -76,11 +76,14 @@ def evaluate(cfg: DictConfig) -> dict:
     benchmark = cfg.benchmark and load_benchmark(cfg.benchmark, criteria_override(cfg.criteria))
     check_not_another_run(run_dir / "metrics.json", cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    scorer = load_scorer(cfg)
-    metrics, predictions = evaluate_files(scorer, paths)
-    result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics}
-    if benchmark:
-        result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=cfg.progress)
+    scorer = load_scorer(cfg, run_dir)
+    try:
+        metrics, predictions = evaluate_files(scorer, paths)
+        result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics}
+        if benchmark:
+            result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=cfg.progress)
+    finally:
+        close_scorer(scorer)
     result["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", result)
     if paths:

@@ -25,8 +25,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, load_scorer,
-                            one_line_config_errors, register_schema, settings)
+from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, close_scorer,
+                            load_scorer, one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.records import RecordError
@@ -135,10 +135,13 @@ def run(cfg: DictConfig) -> dict:
     if cfg.suggest_votes < 0:
         raise ConfigError(f"suggest_votes={cfg.suggest_votes}: a number of pairs, 0 for none")
     run_dir.mkdir(parents=True, exist_ok=True)
-    scorer = load_scorer(cfg)
-    result = leaderboard(scorer, selection, criteria, contrast or None,
-                         both_orders=cfg.both_orders, labels=labels,
-                         interval=cfg.interval, votes=votes, slot_sample=cfg.slot_sample)
+    scorer = load_scorer(cfg, run_dir)
+    try:
+        result = leaderboard(scorer, selection, criteria, contrast or None,
+                             both_orders=cfg.both_orders, labels=labels,
+                             interval=cfg.interval, votes=votes, slot_sample=cfg.slot_sample)
+    finally:
+        close_scorer(scorer)
     result.update(model=str(cfg.checkpoint), kind=scorer.kind,
                   sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
                   wall_seconds=round(time.time() - started, 1))

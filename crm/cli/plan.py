@@ -6,6 +6,8 @@
                                                        # the crm-train overrides that fit, fastest
     crm-plan one_gpu=true [lora.rank=16 seq_len=4096]  # which sizes fit one 24/48/80 GiB GPU,
                                                        # full training vs LoRA
+    crm-plan task=score model=qwen3-8b score.rows=100000 score.tokens_per_row=3200 mfu=0.3
+                                                       # scoring: FLOPs, GPU-hours, GPUs for a target time
 
 The model is built on the meta device (shapes, no weights): nothing needs a GPU. The formulas and
 their assumptions are in crm/perf/flops.py, crm/perf/memory.py and crm/perf/network.py.
@@ -30,6 +32,7 @@ from crm.perf.memory import (PRECISIONS, ROWS_PER_RECORD, STRATEGIES, decoder_li
                              lora_parameters, memory_plan, process_group_timeout_minutes,
                              tokens_per_record)
 from crm.perf.network import GRAD_SYNCS, Links, choose_sharding, network_plan, sharding_world
+from crm.perf.scoring import ScoreSettings, describe_score, score_plan
 
 
 @dataclass
@@ -45,6 +48,9 @@ class NetworkConfig:
     intra_node_latency_us: float = MISSING
     inter_node_latency_us: float = MISSING
     compute_mfu: float = MISSING
+
+
+TASKS = ("train", "score")
 
 
 @dataclass
@@ -82,6 +88,12 @@ class PlanConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # crm-train's section: rank and targets read
     one_gpu: bool = MISSING
     one_gpu_sizes_gib: list[float] = MISSING
+    task: str = MISSING  # train | score
+    score: ScoreSettings = field(default_factory=ScoreSettings)
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task={self.task}: expected one of {', '.join(TASKS)}")
 
 
 register_schema("plan", PlanConfig)
@@ -534,7 +546,16 @@ def format_plan(p: dict) -> str:
 @one_line_config_errors
 def main(cfg: DictConfig) -> None:
     path = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
-    if cfg.table:
+    if cfg.task == "score":
+        run = settings(cfg)
+        peak = peak_flops(run.gpu, None if run.peak_tflops is None else run.peak_tflops * 1e12)
+        if peak is None:
+            raise ConfigError(f"gpu={run.gpu}: no peak FLOP/s known; set peak_tflops=")
+        result = {"model": run.model.name, **score_plan(model_shape(run.model, run.kind), run.score,
+                                                        peak=peak, mfu=run.mfu)}
+        write_json(path, result)
+        print(describe_score(result, run.model.name))
+    elif cfg.table:
         result = table(cfg)
         write_json(path, result)
         print(format_table(result))

@@ -131,7 +131,9 @@ def build_app(cfg: DictConfig):
         log.warning("rejected %s:%s: %s: %s", r["file"], r["line"], r["field"], r["reason"])
     crm_id, bench_id = crm_fingerprint(cfg.checkpoint), file_digest(Path(cfg.bench))
     scorer = load_scorer(cfg)
-    dtype = str(next(scorer.model.parameters()).dtype).removeprefix("torch.")  # what it runs in
+    # what it runs in (a RayScorer: what its workers run in)
+    dtype = (getattr(scorer, "dtype", None)
+             or str(next(scorer.model.parameters()).dtype).removeprefix("torch."))
     service = Leaderboards(
         scorer, selection, crm_fingerprint=crm_id, bench_fingerprint=bench_id,
         version=version(cfg.checkpoint, crm_id, bench_id), both_orders=cfg.both_orders,

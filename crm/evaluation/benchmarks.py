@@ -407,8 +407,17 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
     scores (an item with any NaN is counted `unscorable`)."""
     from tqdm.auto import tqdm
 
+    from crm.inference.engine import RayScorer
     from crm.inference.reward import CRMReward
 
+    if isinstance(scorer, RayScorer):  # blocks of prompts over Ray's workers
+        scores, _, forwards = scorer.score_groups(
+            [(item.criteria, item.query, item.completions) for item in items],
+            names=[item.id for item in items], sequences_per_call=SEQUENCES_PER_CALL)
+        unscorable = sum(any(math.isnan(v) for v in values) for values in scores)
+        return scores, {"prompts": len(items), "completions": sum(len(s) for s in scores),
+                        "unscorable": unscorable, "forwards": forwards,
+                        "strategy": "round_robin" if scorer.kind == "pairwise" else "pointwise"}
     # A prompt the fit check passes may still be one the encoder drops (a cut that tokenizes
     # longer): NaN, counted, never an abort of the whole benchmark.
     reward = CRMReward(scorer, unfit="nan")
