@@ -57,15 +57,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """xdist hands out whole files (--dist loadfile) in this order: first the files of slow tests
-    that share the cores, so that none starts last and leaves the other worker idle at the end
-    (and the compile tests fill inductor's cache before the ranks compile the same layer); the
-    files of both_cores tests last, as while one of those runs the other worker waits anyway."""
+    """xdist hands out whole files (--dist loadfile) in this order: first the files of both_cores
+    tests, which run one at a time whatever the order (the other worker then runs the next such
+    test, or waits), so that no both_cores test waits at the end for a long shared one; then the
+    files of slow tests that share the cores, so that none starts last and leaves a worker idle."""
     def files(marker: str) -> set:
         return {item.path for item in items if item.get_closest_marker(marker)}
 
     slow, alone = files("slow"), files("both_cores")
-    items.sort(key=lambda item: (item.path in alone, item.path not in slow))
+    items.sort(key=lambda item: (item.path not in alone, item.path not in slow))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -27,6 +27,7 @@ from crm.data.stream import StreamSettings
 from crm.data.transforms import TransformSettings
 from crm.evaluation.benchmarks import BenchmarkConfig
 from crm.evaluation.leaderboard import Bootstrap
+from crm.inference.engine import EngineConfig
 from crm.models.factory import LossConfig, ModelConfig
 from crm.training.loggers import LoggerConfig
 from crm.training.module import OptimConfig
@@ -61,6 +62,19 @@ def test_every_field_of_a_schema_is_a_key_of_its_yaml(command):
               if isinstance(d, dict) and not next(iter(d)).startswith("override hydra/")} - {"experiment"}
     raw.pop("hydra")
     yaml_keys_match_fields({**raw, **dict.fromkeys(groups)}, SCHEMAS[command], command)
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONFIG_DIR / "engine").glob("*.yaml")))
+@pytest.mark.parametrize("command", ["eval", "leaderboard", "usl"])
+def test_every_engine_option_is_its_schema_and_composes_for_each_scoring_command(command, option,
+                                                                                 tmp_path):
+    raw = yaml.safe_load((CONFIG_DIR / "engine" / f"{option}.yaml").read_text())
+    if option == "local":  # one process: no Ray setting applies
+        assert raw == {"name": "local"}
+    else:
+        yaml_keys_match_fields(raw, EngineConfig, f"engine/{option}")
+    run = settings(compose_config(command, [f"engine={option}", f"paths.root_dir={tmp_path}"]))
+    assert isinstance(run.engine, EngineConfig) and run.engine.name == option
 
 
 @pytest.mark.parametrize("option", sorted(p.stem for p in (CONFIG_DIR / "benchmark").glob("*.yaml")))

@@ -58,10 +58,11 @@ def config_groups() -> list[tuple[str, str]]:
     """(group, option) for every YAML file in a subdirectory of configs/ (nested groups too).
 
     `common/` dirs hold what a group's options include, not options: they compose through them.
-    `benchmark/` is crm-eval's group (tests/cli/test_schemas.py composes it)."""
+    `benchmark/` is crm-eval's group and `engine/` the scoring commands' (tests/cli/test_schemas.py
+    composes them)."""
     return sorted((str(p.parent.relative_to(CONFIG_DIR)), p.stem)
                   for p in CONFIG_DIR.rglob("*.yaml")
-                  if p.parent != CONFIG_DIR and p.parent.name not in ("common", "benchmark"))
+                  if p.parent != CONFIG_DIR and p.parent.name not in ("common", "benchmark", "engine"))
 
 
 def compose_train(overrides: list[str], hydra_node: bool = False):
