@@ -57,22 +57,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """xdist hands out whole files (--dist loadfile) in this order: first the files of slow tests
-    that share the cores (the longest single tests: started together, they keep both cores busy,
-    and none is left to run alone at the end); then the files of both_cores tests, which run one
-    at a time (the other worker waits, a core idle, until its current test ends: short ones are
-    left to run beside them); then the rest."""
+    """xdist hands out whole files (--dist loadfile) in this order: first the files of both_cores
+    tests, which run one at a time whatever the order (the other worker then runs the next such
+    test, or waits), so that no both_cores test waits at the end for a long shared one; then the
+    files of slow tests that share the cores, so that none starts last and leaves a worker idle."""
     def files(marker: str) -> set:
         return {item.path for item in items if item.get_closest_marker(marker)}
 
     slow, alone = files("slow"), files("both_cores")
-
-    def rank(item) -> int:
-        if item.path in alone:
-            return 1
-        return 0 if item.path in slow else 2
-
-    items.sort(key=rank)
+    items.sort(key=lambda item: (item.path not in alone, item.path not in slow))
 
 
 @pytest.hookimpl(wrapper=True)
