@@ -61,15 +61,12 @@ CHROMIUM ?= /usr/bin/chromium
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-# The whole suite, the end-to-end tests marked slow included (on a fresh clone of the 2-core AMD
-# EPYC: 558 s of tests, 11.4 min with the install, quiet; 899 s and 18 min on a slow day; on
-# 2026-11-25, quiet, back to back on one machine: 917 s before the benchmark, first-hour, cluster-run
-# and hostile-input tests, 1012 s with them; 2026-11-26, other jobs on the machine (load 1-4.5):
-# 1244 s, then 1432 s once 2-rank test runs started both ranks at once (the votes end-to-end test,
-# its 2 torch threads the most hurt by load: 226 s, then 465 s; the rest 1018 s, then 967 s); with
-# packed rows' tests, on a fresh clone, quiet: 923-972 s of tests, 18.4-18.7 min with the install; CI's
-# budget is 15 minutes);
-# `$(BIN)/python -m pytest -m "not slow"` leaves those out while you work.
+# The whole suite, the end-to-end tests marked slow included, on two pytest-xdist workers
+# (docs/TESTING.md: how, and the figures). On a fresh clone of the 2-core AMD EPYC, quiet,
+# 2026-11-26: 508 s of tests in one process before (929 tests); 414 s on two workers with this
+# round's 1,026 tests (436 s with inductor's on-disk cache empty), 482 s for bash .ci/run.
+# `$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow"` leaves the slow ones out while you
+# work (166 s).
 test: install $(CHROMIUM)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
