@@ -408,7 +408,7 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
     from tqdm.auto import tqdm
 
     from crm.inference.engine import RayScorer
-    from crm.inference.reward import CRMReward
+    from crm.inference.reward import CRMReward, split_calls
 
     if isinstance(scorer, RayScorer):  # blocks of prompts over Ray's workers
         scores, _, forwards = scorer.score_groups(
@@ -431,7 +431,8 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
         with tqdm(total=len(items), disable=not progress, unit="prompt", dynamic_ncols=True,
                   leave=False) as bar:
             bar.update(len(items) - len(fit))
-            for chunk in _calls(items, fit, pairwise=reward.strategy == "round_robin"):
+            for chunk in split_calls([len(items[i].completions) for i in fit], fit,
+                                     SEQUENCES_PER_CALL, pairwise=reward.strategy == "round_robin"):
                 groups = [(items[i].criteria, items[i].query, items[i].completions) for i in chunk]
                 for i, values in zip(chunk, reward.score_groups(groups)):
                     scores[i] = values
@@ -443,22 +444,6 @@ def score_items(scorer, items: Sequence[Item], progress: bool = False) -> tuple[
               "unscorable": unscorable, "forwards": reward.counts["forwards"],
               "strategy": reward.strategy}
     return scores, counts
-
-
-def _calls(items: Sequence[Item], index: list[int], pairwise: bool):
-    """`index` cut into runs of items whose sequences (G(G - 1) a pairwise item of G
-    completions, G a pointwise one) add up to at most SEQUENCES_PER_CALL (an item alone may)."""
-    chunk, sequences = [], 0
-    for i in index:
-        g = len(items[i].completions)
-        cost = g * (g - 1) if pairwise else g
-        if chunk and sequences + cost > SEQUENCES_PER_CALL:
-            yield chunk
-            chunk, sequences = [], 0
-        chunk.append(i)
-        sequences += cost
-    if chunk:
-        yield chunk
 
 
 # -- the benchmarks' figures -----------------------------------------------------------------------

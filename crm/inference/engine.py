@@ -173,7 +173,7 @@ class ScoringWorker:
                 "cpu_seconds": np.float64(time.process_time() - started)}
 
     def groups(self, groups: list, sequences_per_call: int) -> dict:
-        from crm.inference.reward import CRMReward
+        from crm.inference.reward import CRMReward, split_calls
 
         started = time.process_time()
         reward = CRMReward(self.scorer, unfit="nan")  # as engine=local: an unfit group is NaN
@@ -181,7 +181,7 @@ class ScoringWorker:
         fits = reward.fits([(criteria, query) for criteria, query, _ in groups])
         values = [[float("nan")] * len(completions) for _, _, completions in groups]
         fitting = [i for i, ok in enumerate(fits) if ok]
-        for chunk in _calls([len(groups[i][2]) for i in fitting], fitting, sequences_per_call,
+        for chunk in split_calls([len(groups[i][2]) for i in fitting], fitting, sequences_per_call,
                             pairwise=reward.strategy == "round_robin"):
             for i, scores in zip(chunk, reward.score_groups([groups[i] for i in chunk])):
                 values[i] = scores
@@ -190,22 +190,6 @@ class ScoringWorker:
                 "fits": np.asarray(fits, dtype=bool),
                 "counts": {**self.scorer.counts, "forwards": reward.counts["forwards"]},
                 "cpu_seconds": np.float64(time.process_time() - started)}
-
-
-def _calls(sizes: list[int], index: list[int], limit: int, pairwise: bool):
-    """`index` cut into runs whose sequences (G(G - 1) for a pairwise group of G, G pointwise)
-    add up to at most `limit` (a group alone may exceed it): the token ids of one call are held
-    at once."""
-    chunk, total = [], 0
-    for g, i in zip(sizes, index):
-        cost = g * (g - 1) if pairwise else g
-        if chunk and total + cost > limit:
-            yield chunk
-            chunk, total = [], 0
-        chunk.append(i)
-        total += cost
-    if chunk:
-        yield chunk
 
 
 # -- blocks on disk --------------------------------------------------------------------------------

@@ -438,3 +438,19 @@ def gather_rows(rows: list[Row]) -> tuple[list[Row], int]:
     rank = torch.distributed.get_rank()
     offset = sum(len(p) for p in parts[:rank])
     return [Row(*r) for part in parts for r in part], offset
+
+
+def split_calls(sizes: list[int], index: list[int], limit: int, pairwise: bool):
+    """`index` cut into runs whose sequences (G(G - 1) for a pairwise group of G, G pointwise)
+    add up to at most `limit` (a group alone may exceed it): the token ids of one call are held
+    at once."""
+    chunk, total = [], 0
+    for g, i in zip(sizes, index):
+        cost = g * (g - 1) if pairwise else g
+        if chunk and total + cost > limit:
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(i)
+        total += cost
+    if chunk:
+        yield chunk

@@ -455,10 +455,9 @@ def test_crm_eval_scores_every_layout_in_one_multirun(length_crm, tmp_path):
     assert pairs["accuracy"] == np.mean([s[0] > s[1] for s in scores.values()])
 
 
-def test_scorer_calls_hold_a_bounded_number_of_sequences(monkeypatch):
-    import crm.evaluation.benchmarks as benchmarks
+def test_scorer_calls_hold_a_bounded_number_of_sequences():
+    from crm.inference.reward import split_calls
 
-    monkeypatch.setattr(benchmarks, "SEQUENCES_PER_CALL", 24)
-    rows = items("x", [4, 4, 3, 6, 2])  # pairwise: 12, 12, 6, 30 (alone, over the bound), 2
-    assert list(benchmarks._calls(rows, [0, 1, 2, 3, 4], pairwise=True)) == [[0, 1], [2], [3], [4]]
-    assert list(benchmarks._calls(rows, [0, 1, 2, 3, 4], pairwise=False)) == [[0, 1, 2, 3, 4]]
+    sizes = [4, 4, 3, 6, 2]  # completions: pairwise 12, 12, 6, 30 (alone, over the bound), 2
+    assert list(split_calls(sizes, [0, 1, 2, 3, 4], 24, pairwise=True)) == [[0, 1], [2], [3], [4]]
+    assert list(split_calls(sizes, [0, 1, 2, 3, 4], 24, pairwise=False)) == [[0, 1, 2, 3, 4]]
