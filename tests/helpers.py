@@ -216,3 +216,18 @@ def run_ranks(cmd: list[str], env: dict, log_dir: Path, ranks: int = 2, timeout:
 def assert_ranks_ok(results: list[tuple[int, str]]) -> None:
     for rank, (code, output) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}:\n{output[-4000:]}"
+
+
+def raw_request(url: str, data: bytes, timeout: float = 10, source: str = "127.0.0.1") -> bytes:
+    """`data` on a fresh connection from `source`; everything the server sends until it closes
+    it (a server test's request bytes exactly as written, no client to fix them)."""
+    from urllib.parse import urlsplit
+
+    address = urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=timeout,
+                                  source_address=(source, 0)) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer

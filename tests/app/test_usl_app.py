@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from helpers import free_port
+from helpers import free_port, raw_request
 from scorers import export_tiny, run_cli
 
 from crm.data.demo import BENCH_BASELINE, BENCH_MODELS, TRAIN_WORDINGS, write_demo
@@ -349,19 +349,6 @@ def test_the_page_shows_bad_input_as_text(app, page):
 
 
 # -- hostile and oversized requests (issue 35) ------------------------------------------------------
-
-def raw_request(url: str, data: bytes, timeout: float = 10, source: str = "127.0.0.1") -> bytes:
-    """`data` on a fresh connection from `source`; everything the server sends until it closes
-    it."""
-    address = urlsplit(url)
-    with socket.create_connection((address.hostname, address.port), timeout=timeout,
-                                  source_address=(source, 0)) as s:
-        s.sendall(data)
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    return answer
-
 
 def test_the_http_layer_refuses_a_50mb_body_and_any_upload_but_the_votes_file(app):
     """A 50 MB body is refused (413) from its Content-Length, before a byte of it is read; the

@@ -14,6 +14,7 @@ import time
 from urllib.parse import urlsplit
 
 import pytest
+from helpers import raw_request
 from scorers import tiny_scorer
 from test_adapters import PROMPT, post
 
@@ -179,29 +180,17 @@ def test_the_batcher_takes_turns_within_its_bounds():
     assert not any(item in s for s in slices[1:] for item in ("c2", "c3"))
 
 
-def raw(url: str, data: bytes, source: str = "127.0.0.1", timeout: float = 10) -> bytes:
-    """`data` on a fresh connection from `source`; what the server sends until it closes."""
-    address = urlsplit(url)
-    with socket.create_connection((address.hostname, address.port), timeout=timeout,
-                                  source_address=(source, 0)) as s:
-        s.sendall(data)
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    return answer
-
-
 def test_request_heads_are_bounded(server):
     netloc = urlsplit(server.url).netloc
     for extra in ["X-Big: " + "a" * 20_000 + "\r\n",
                   "".join(f"X-{i}: v\r\n" for i in range(3000))]:
         head = f"POST /get_reward HTTP/1.1\r\nHost: {netloc}\r\n{extra}Content-Length: 2\r\n\r\n{{}}"
-        answer = raw(server.url, head.encode())
+        answer = raw_request(server.url, head.encode())
         assert answer.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), answer[:200]
     body = json.dumps(SMALL)
     ok = (f"POST /get_reward HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"
           f"Connection: close\r\n\r\n{body}")
-    assert raw(server.url, ok.encode()).startswith(b"HTTP/1.1 200")
+    assert raw_request(server.url, ok.encode()).startswith(b"HTTP/1.1 200")
 
 
 def test_one_address_cannot_take_every_connection(server):
@@ -213,7 +202,7 @@ def test_one_address_cannot_take_every_connection(server):
     try:
         assert wait_until(lambda: open_connections(server) >= PER_ADDRESS, 5)
         t0 = time.perf_counter()
-        answer = raw(server.url, b"", source="127.0.0.2")
+        answer = raw_request(server.url, b"", source="127.0.0.2")
         assert answer.startswith(b"HTTP/1.1 429") and time.perf_counter() - t0 < 5
         assert answer.count(b"\n") == 5 and b"more than 6 open connections" in answer
         assert post(server.url, SMALL)[0] == 200
@@ -228,6 +217,6 @@ def test_a_refusal_closes_its_connection(server):
     for answers a client does not read is tests/app/test_usl_app.py's: the app's answers are
     large enough to fill the buffers.)"""
     netloc = urlsplit(server.url).netloc
-    answer = raw(server.url, f"GET /get_reward HTTP/1.1\r\nHost: {netloc}\r\n\r\n".encode() * 2000)
+    answer = raw_request(server.url, f"GET /get_reward HTTP/1.1\r\nHost: {netloc}\r\n\r\n".encode() * 2000)
     assert answer.startswith(b"HTTP/1.1 405") and answer.count(b"HTTP/1.1") == 1
     assert post(server.url, SMALL)[0] == 200
