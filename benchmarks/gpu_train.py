@@ -1,29 +1,41 @@
-"""GPU training speed: `crm-train` itself on long rows, and crm against TRL's RewardTrainer.
+"""crm on one GPU as users run it: `crm-train`'s packed, compiled path, TRL beside it, long
+FlexAttention rows, host syncs and scoring, in one script and one call (docs/PERFORMANCE.md).
 
-Part 1, the command users run (not a probe): for each size, `crm-train` in a process of its own
-on synthetic README-format pairs of realistic length (benchmarks/long_pairs.py: answers of 300-700
-words, rows of about 1.1k tokens), a 32k BPE trained on them once, `trainer=fsdp` on one GPU,
-`compile=true`, the micro batch and activation checkpointing given per size. `StepStats` (below,
-added through crm-train's `callbacks` key) synchronises the GPU at each optimizer step after the
-warm-up steps and records the step times and the real and padded tokens; at the end it records
-torch's peak allocated and reserved memory and torch.compile's graphs, breaks and seconds. Per size
-the result holds steady-state MFU (docs/PERFORMANCE.md section 2: 6N + 12 L H d S per real token,
-S the mean real row length), real and padded tokens/s, p50/p95 step seconds, the memory peaks
-against `crm-plan`'s prediction for the same setting (section 4) and the compile figures.
+Tasks, run in the order given (`--tasks`, comma-separated) within `--budget` seconds: a task whose
+estimate no longer fits is skipped and the JSON says so. The JSON is rewritten after every task
+(`--out`), so a call cut short keeps what it finished.
+- `train=SIZE:MICRO:CKPT:MODE` (CKPT on|off, MODE pairwise|pointwise): `crm-train` in a process of
+  its own on synthetic README-format pairs of realistic length (benchmarks/long_pairs.py: answers of
+  300-700 words, pairwise rows of about 1.1k tokens), a 32k BPE trained on them once, `trainer=fsdp`
+  on one GPU, `compile=true`, `stream.packing=auto` (packed on a GPU), bf16 compute. `StepStats`
+  (below, added through crm-train's `callbacks` key) synchronises the GPU at each optimizer step after
+  the warm-up and records step times, real tokens, torch's memory peaks and the compile figures. The
+  result: steady-state MFU (docs/PERFORMANCE.md section 2), tokens/s, and `planned_gib`, what
+  `crm-plan` prints for the same overrides (rows at stream.max_tokens), beside the same plan at the
+  widest micro batch the run met. The first run of each mode also counts the host syncs of 20
+  micro batches that neither Lightning nor crm's perf logging reads
+  (`torch.cuda.set_sync_debug_mode("warn")`), by the Python line that caused each. The first
+  pairwise run exports its model for `scoring`.
+- `trl`: benchmarks/train_vs_trl.py, crm's packed pointwise run against TRL's RewardTrainer on the
+  same pairs, batch and GPU, gradient checkpointing off in both (TRL's default is on).
+- `flex`: `crm-train` pointwise at packed rows of about 8k (micro batch 1) and 30k tokens (micro
+  batch 4): records of two ~4k-token answers, FlexAttention's path (a record's two responses are
+  branches of one row), step time and peak memory.
+- `scoring`: the exported CRM loaded as crm-eval and crm-leaderboard load it (`CRMScorer.load`,
+  compiled layers on CUDA), sequences/s of a best-of-4 benchmark in RewardBench 2's layout
+  (benchmarks/benchmark_scoring.py) and pairs/s of a leaderboard (benchmarks/leaderboard_prefix.py),
+  plain and with prefix reuse, after a warm-up of each.
 
-Part 2, crm against TRL at equal memory: benchmarks/train_vs_trl.py on CUDA (pointwise, as TRL's
-RewardTrainer is; same architecture, initial weights, rendered pairs, batch and AdamW; gradient
-checkpointing off in both, TRL's default being on; a process per run, runs alternating).
-
-Without CUDA it runs the tiny model for a few steps, eagerly, as a smoke test of this harness (the
+Without CUDA it runs the tiny model, eagerly, for a few steps: a smoke test of this harness (the
 test suite runs it); its figures are not GPU figures and the JSON says `"device": "cpu"`.
 
-    python benchmarks/gpu_train.py [--sizes qwen3-0.6b:16:off,qwen3-1.7b:8:off,qwen3-4b:8:on]
-                                   [--steps 40] [--warmup 10] [--records 4000] [--skip-trl]
+    python benchmarks/gpu_train.py [--tasks train=qwen3-0.6b:16:off:pairwise,trl,...] [--budget 520]
+                                   [--steps 8] [--warmup 3] [--out results.json]
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -31,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -38,30 +51,72 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
-GPU_SIZES = "qwen3-0.6b:16:off,qwen3-1.7b:8:off,qwen3-4b:8:on"  # size:micro batch:activation ckpt
-CPU_SIZES = "tiny:8:off"
+GPU_TASKS = ",".join([
+    "train=qwen3-0.6b:16:off:pairwise", "train=qwen3-0.6b:16:off:pointwise",
+    "train=qwen3-1.7b:8:off:pairwise", "train=qwen3-4b:8:on:pairwise", "trl", "scoring", "flex",
+    "train=qwen3-1.7b:8:off:pointwise", "train=qwen3-4b:8:on:pointwise"])
+CPU_TASKS = "train=tiny:8:off:pairwise,scoring,trl,flex"
+# Seconds a task took on one H100 (its first call, compile included), to skip what cannot finish.
+ESTIMATES = {"tiny": 30, "qwen3-0.6b": 75, "qwen3-1.7b": 95, "qwen3-4b": 140, "trl": 120, "scoring": 70,
+             "flex": 110}
+SYNC_MICRO_BATCHES = 20
+SYNC_MESSAGE = "synchroniz"  # torch's "called a synchronizing CUDA operation"
 
 
 class StepStats(L.Callback):
-    """Optimizer-step times (synchronised on CUDA), tokens and memory peaks of a run, as JSON in `out`."""
+    """Optimizer-step times (synchronised on CUDA), tokens and memory peaks of a run, as JSON in `out`.
 
-    def __init__(self, out: str, warmup: int = 10):
-        self.out, self.warmup = Path(out), warmup
+    Steps up to `warmup` are not timed, the next `timed` are; with `sync_micro_batches`, the micro
+    batches after them run with CUDA's sync debug mode at "warn", and the syncs of those that no
+    logging step reads (`log_every`: the trainer's and crm's perf cadences) are counted by the
+    Python line that raised them."""
+
+    def __init__(self, out: str, warmup: int = 10, timed: int | None = None, sync_micro_batches: int = 0,
+                 log_every: tuple[int, ...] = ()):
+        self.out, self.warmup, self.timed = Path(out), warmup, timed
         self.step_seconds: list[float] = []
         self.real = self.padded = self.rows = self.samples = 0
         # (records, longest sequence) of the micro batch that computed the most tokens, packed
         # or not, and whether it was packed
         self.widest, self._widest_tokens, self.packed = (0, 0), 0, False
         self._last_step, self._mark = -1, None
+        self.sync_wanted, self.log_every = sync_micro_batches, tuple(n for n in log_every if n > 0)
+        self.syncs: list[dict] = []  # one per watched micro batch: its step, whether it logs, its syncs
+        self._watch = None
 
     def _sync(self) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def _timing(self, step: int) -> bool:
+        return step > self.warmup and (self.timed is None or step <= self.warmup + self.timed)
+
+    def _logging_step(self, step: int) -> bool:
+        # Both neighbours of each cadence's multiple: which one Lightning counts from is its detail.
+        return any(s % n == 0 for n in self.log_every for s in (step, step + 1))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        watched = sum(1 for s in self.syncs if not s["logging_step"])
+        if (torch.cuda.is_available() and self.timed is not None and step > self.warmup + self.timed
+                and watched < self.sync_wanted):
+            self._watch = warnings.catch_warnings(record=True)
+            self._caught = self._watch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step > self.warmup:
+        if self._watch is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._watch.__exit__(None, None, None)
+            self._watch = None
+            sites = [f"{Path(w.filename).name}:{w.lineno}" for w in self._caught
+                     if SYNC_MESSAGE in str(w.message)]
+            # the step the micro batch belonged to: global_step moves on at its optimizer step
+            self.syncs.append({"step": step, "logging_step": self._logging_step(step), "sites": sites})
+        if self._timing(step):
             if "read" in batch:  # a packed row: every token real
                 self.real += batch["real_tokens"]
                 self.padded += batch["real_tokens"]
@@ -80,7 +135,7 @@ class StepStats(L.Callback):
         if step == self._last_step:  # accumulating: no optimizer step yet
             return
         self._last_step, now = step, self._sync()
-        if step > self.warmup and self._mark is not None:
+        if self._timing(step) and self._mark is not None:
             self.step_seconds.append(now - self._mark)
         self._mark = now
 
@@ -94,6 +149,8 @@ class StepStats(L.Callback):
         peak = peak_flops("auto")
         cuda = torch.cuda.is_available()
         gib = 2 ** 30
+        quiet = [s for s in self.syncs if not s["logging_step"]]
+        counted = collections.Counter(site for s in quiet for site in s["sites"])
         result = {
             "timed_steps": len(self.step_seconds),
             "step_seconds_p50": statistics.median(self.step_seconds) if self.step_seconds else None,
@@ -104,11 +161,18 @@ class StepStats(L.Callback):
             "real_token_fraction": self.real / self.padded if self.padded else None,
             "mean_row_tokens": self.real / self.rows if self.rows else None,
             "mfu": (self.real / seconds * per_token / peak) if (seconds and peak) else None,
-            "widest_micro_batch": list(self.widest), "packed": self.packed,
+            "widest_micro_batch": list(self.widest), "widest_micro_batch_tokens": self._widest_tokens,
+            "packed": self.packed,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if cuda else None,
             "compile": compile_stats(),
         }
+        if self.sync_wanted and cuda:
+            result["host_syncs"] = {
+                "micro_batches": len(quiet), "syncs": sum(counted.values()),
+                "per_micro_batch": [len(s["sites"]) for s in quiet],
+                "sites": dict(counted.most_common(12)),
+                "logging_micro_batches_left_out": len(self.syncs) - len(quiet)}
         self.out.write_text(json.dumps(result))
 
 
@@ -135,108 +199,291 @@ def prepare(data_dir: Path, records: int, vocab_size: int, min_words: int, max_w
     return data_dir
 
 
-def crm_train(size: str, micro: int, checkpointing: bool, data_dir: Path, args, cuda: bool) -> dict:
-    """One `crm-train` run in a process of its own; StepStats' JSON with the run's settings."""
-    out = data_dir / f"stats-{size}.json"
-    overrides = [
-        "data=shards", f"data.path={data_dir / 'shards'}", "direction=original", f"model={size}",
-        f"model.tokenizer={data_dir / 'tokenizer'}", f"global_batch_size={args.global_batch}",
-        f"micro_batch_size={micro}", f"stream.max_tokens={args.max_tokens}",
-        f"parallel.activation_checkpointing={str(checkpointing).lower()}",
-        f"trainer.max_steps={args.steps}", "val_every_n_steps=1000000", "save_every_n_steps=1000000",
-        "export=false", "evaluate=false", "logger=none", "trainer.enable_progress_bar=false",
-        "perf.log_every_n_steps=5", f"name=bench-{size}",
-        f"+callbacks.bench={{_target_: gpu_train.StepStats, out: '{out}', warmup: {args.warmup}}}",
-    ]
+class Runner:
+    """The tasks of one call, their shared data and their JSON."""
+
+    def __init__(self, args, cuda: bool, data_dir: Path):
+        self.args, self.cuda, self.data_dir = args, cuda, data_dir
+        self.export: Path | None = None  # the first pairwise run's model, for `scoring`
+        self.sync_done: set[str] = set()  # modes whose host syncs were counted
+        self.result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+                       "torch": torch.__version__, "versions": _versions(),
+                       "settings": {k: v for k, v in vars(args).items()},
+                       "crm_train": [], "tasks": []}
+
+    def write(self) -> None:
+        if self.args.out:
+            Path(self.args.out).write_text(json.dumps(self.result, indent=1) + "\n")
+
+    def crm_train(self, size: str, micro: int, checkpointing: bool, mode: str, *, data: Path | None = None,
+                  max_tokens: int | None = None, global_batch: int | None = None, steps: int | None = None,
+                  warmup: int | None = None, name: str | None = None) -> dict:
+        """One `crm-train` run in a process of its own; StepStats' JSON with the run's settings."""
+        args, cuda = self.args, self.cuda
+        name = name or f"{size}-{mode}"
+        max_tokens = max_tokens or args.max_tokens
+        global_batch = global_batch or args.global_batch
+        warmup = args.warmup if warmup is None else warmup
+        timed = args.steps if steps is None else steps
+        sync = mode not in self.sync_done and cuda and data is None
+        micro_per_step = max(1, global_batch // micro)
+        # the sync window: 20 micro batches that log nothing, with room for one logging step
+        extra = -(-SYNC_MICRO_BATCHES // micro_per_step) + 2 if sync else 0
+        export = mode == "pairwise" and self.export is None and data is None
+        out = self.data_dir / f"stats-{name}.json"
+        log_every = (args.log_every, args.log_every)  # trainer.log_every_n_steps, perf.log_every_n_steps
+        overrides = [
+            "data=shards", f"data.path={data or self.data_dir / 'shards'}", "direction=original",
+            f"model={size}", f"model.tokenizer={self.data_dir / 'tokenizer'}",
+            f"global_batch_size={global_batch}", f"micro_batch_size={micro}",
+            f"stream.max_tokens={max_tokens}",
+            f"parallel.activation_checkpointing={str(checkpointing).lower()}",
+            f"trainer.max_steps={warmup + timed + extra}", "val_every_n_steps=1000000",
+            "save_every_n_steps=1000000", f"export={str(export).lower()}", "evaluate=false", "logger=none",
+            "trainer.enable_progress_bar=false", f"trainer.log_every_n_steps={log_every[0]}",
+            f"perf.log_every_n_steps={log_every[1]}", f"name=bench-{name}",
+            f"+callbacks.bench={{_target_: gpu_train.StepStats, out: '{out}', warmup: {warmup}, "
+            f"timed: {timed}, sync_micro_batches: {SYNC_MICRO_BATCHES if sync else 0}, "
+            f"log_every: [{log_every[0]}, {log_every[1]}]}}",
+            *(["loss=ranking"] if mode == "pointwise" else []),
+        ]
+        if cuda:
+            overrides += ["trainer=fsdp", "trainer.devices=1", "compile=true",
+                          f"stream.num_workers={args.num_workers}"]
+        else:  # the smoke test: the tiny model as the demo trains it, eagerly
+            overrides += ["trainer=cpu", "compile=false", "torch_threads=1",
+                          f"model.vocab_size={args.vocab_size}"]
+        env = {**os.environ, "CRM_ROOT": str(self.data_dir), "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+        started = time.perf_counter()
+        done = subprocess.run([str(BIN / "crm-train"), *overrides], env=env, capture_output=True, text=True)
+        wall = round(time.perf_counter() - started, 1)
+        if done.returncode:
+            return {"size": size, "mode": mode, "error": done.stderr[-3000:], "wall_seconds": wall}
+        stats = json.loads(out.read_text())
+        if sync:
+            self.sync_done.add(mode)
+        if export:
+            self.export = self.data_dir / "outputs" / f"bench-{name}" / "export"
+        planned = self.plan(size, micro, checkpointing, mode, stats, max_tokens, global_batch)
+        return {"size": size, "mode": mode, "packing": stats["packed"], "micro_batch": micro,
+                "global_batch": global_batch, "max_tokens": max_tokens,
+                "activation_checkpointing": checkpointing, "wall_seconds": wall,
+                "mfu": stats["mfu"], "tokens_per_s": stats["tokens_per_s"],
+                "peak_gib": stats["peak_allocated_gib"], "planned_gib": planned["crm_plan_total_gib"],
+                **stats, "plan": planned}
+
+    def plan(self, size: str, micro: int, checkpointing: bool, mode: str, stats: dict, max_tokens: int,
+             global_batch: int) -> dict:
+        """`crm-plan` for the run's overrides (what a user is told before the run: rows at
+        stream.max_tokens), and the same plan at the widest micro batch the run met."""
+        from omegaconf import OmegaConf
+
+        from crm.perf.flops import ModelShape
+        from crm.perf.memory import memory_plan
+
+        command = [str(BIN / "crm-plan"), f"model={size}", "trainer.devices=1", "trainer.num_nodes=1",
+                   f"seq_len={max_tokens}", f"micro_batch_size={micro}", f"global_batch_size={global_batch}",
+                   f"activation_checkpointing={str(checkpointing).lower()}",
+                   f"compile={str(self.cuda).lower()}",
+                   f"kind={mode}", f"packing={str(stats['packed']).lower()}", "sharding=fsdp",
+                   f"gpu_memory_gib={self.gpu_gib()}", f"name=plan-{size}-{mode}-{micro}-{max_tokens}"]
+        if not self.cuda:  # the tiny model: the BPE's vocabulary, as crm-train gives it
+            command.append(f"model.vocab_size={self.args.vocab_size}")
+        done = subprocess.run(command, env={**os.environ, "CRM_ROOT": str(self.data_dir)},
+                              capture_output=True, text=True)
+        plan_file = next((line.removeprefix("plan: ") for line in done.stdout.splitlines()
+                          if line.startswith("plan: ")), None)
+        total = json.loads(Path(plan_file).read_text())["memory"]["total_gib"] if plan_file else None
+        # What crm-train builds: a published size keeps its vocabulary, a dict arch takes the tokenizer's.
+        model_config = OmegaConf.load(HERE.parent / "configs" / "model" / f"{size}.yaml")
+        arch = OmegaConf.to_container(model_config)["arch"]
+        shape = ModelShape.from_arch(arch, vocab_size=None if isinstance(arch, str) else self.args.vocab_size)
+        rows, width = stats["widest_micro_batch"]
+        if not rows:  # every record dropped by the length policy: nothing was trained
+            return {"crm_plan_total_gib": total, "crm_plan_command": " ".join(command[1:]),
+                    "error": "no micro batch held a record"}
+        widest = memory_plan(shape, world=1, seq_len=width, micro_batch_size=rows, kind=mode,
+                             precision="bf16-mixed", activation_checkpointing=checkpointing,
+                             compiled=self.cuda, packing=stats["packed"],
+                             prompt_share=0.2 if mode == "pointwise" else 0.0,
+                             accumulating=global_batch > micro)
+        measured = stats["peak_allocated_gib"]
+        return {"crm_plan_total_gib": total, "crm_plan_command": " ".join(command[1:]),
+                "crm_plan_error": None if plan_file else done.stderr[-1500:],
+                "at_widest_batch_gib": widest["total_gib"],
+                "error_at_widest": None if not measured else widest["total_gib"] / measured - 1}
+
+    def gpu_gib(self) -> int:
+        return round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30) if self.cuda else 80
+
+    def trl(self) -> dict:
+        """benchmarks/train_vs_trl.py at equal memory (gradient checkpointing off in both)."""
+        args = self.args
+        command = [sys.executable, str(HERE / "train_vs_trl.py"), "--rounds", "1",
+                   "--steps", str(args.trl_steps)]
+        if self.cuda:
+            command += ["--device", "cuda", "--arch", "qwen3-0.6b", "--long", "--compile",
+                        "--batch-size", "8",
+                        "--max-tokens", str(args.max_tokens), "--vocab-size", str(args.vocab_size),
+                        "--n-train", "1000", "--runs", "crm_pointwise_packed,trl"]
+        else:
+            command += ["--batch-size", "8", "--n-train", "300", "--max-tokens", "256", "--skip-pairwise"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            return {"error": done.stderr[-3000:]}
+        full = json.loads(done.stdout)
+        crm = full.get("crm_pointwise_packed", {})
+        trl = full.get("trl", {})
+        ratio = full.get("ratio_crm_pointwise_packed_over_trl")
+        return {"ratio_crm_over_trl": ratio, "crm_records_per_s": crm.get("samples_per_s"),
+                "trl_records_per_s": trl.get("samples_per_s"), "crm_peak_gib": crm.get("peak_allocated_gib"),
+                "trl_peak_gib": trl.get("peak_allocated_gib"), "goal": ">= 2.0", "train_vs_trl": full}
+
+    def flex(self) -> dict:
+        """Pointwise rows of about 8k and 30k tokens: FlexAttention's branches on CUDA."""
+        if not self.cuda:
+            return {"skipped": "FlexAttention is the CUDA path for packed pointwise rows; on CPU they "
+                               "take the gather path (crm/models/packing.py)"}
+        from long_pairs import write_long_pairs
+
+        from crm.data.shard import shard
+
+        # answers of 3,500-3,900 words: a record's two branches are about 8k tokens of one row
+        raw = write_long_pairs(self.data_dir / "flex" / "long.jsonl", 48, min_words=3500, max_words=3900,
+                               seed=1)
+        shard([str(raw)], str(self.data_dir / "flex" / "shards"), shard_size=1000)
+        runs = []
+        for micro in (1, 4):
+            runs.append(self.crm_train(
+                "qwen3-0.6b", micro, False, "pointwise", data=self.data_dir / "flex" / "shards",
+                max_tokens=6144, global_batch=4, steps=4, warmup=2, name=f"flex-micro{micro}"))
+            self.result["flex"] = {"runs": runs}
+            self.write()
+        return {"runs": runs}
+
+    def scoring(self) -> dict:
+        if self.export is None:
+            return {"skipped": "no pairwise crm-train run exported a model in this call"}
+        command = [sys.executable, __file__, "--score", str(self.export), "--data", str(self.data_dir)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            return {"error": done.stderr[-3000:]}
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def score(export: Path, data_dir: Path) -> dict:
+    """Scoring throughput of `export`, loaded as crm-eval and crm-leaderboard load it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from benchmark_scoring import benchmark_rows, timed_run
+    from leaderboard_prefix import timed
+    from long_pairs import write_long_bench
+
+    from crm.evaluation.leaderboard import select
+    from crm.inference.scorer import CRMScorer
+
+    cuda = torch.cuda.is_available()
+    # on CPU, texts the tiny model's 384 tokens hold
+    queries, models, words, query_words = (64, 8, (300, 700), (20, 80)) if cuda else (6, 4, (5, 12), (3, 8))
+    bench = write_long_bench(data_dir / "score" / "bench.jsonl", queries, models, min_words=words[0],
+                             max_words=words[1], query_words=query_words, seed=2)
+    rows = benchmark_rows(bench, queries)
+    full, warm = data_dir / "score" / "rb2.parquet", data_dir / "score" / "rb2_warm.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), full)
+    pq.write_table(pa.Table.from_pylist(rows[:4]), warm)
+    scorer = CRMScorer.load(export, batch_size=32, compile="auto", prefix_reuse=True)
+    result = {"export": str(export), "device": str(scorer.device),
+              "dtype": str(next(scorer.model.parameters()).dtype),
+              "batch_size": 32, "benchmark": {"prompts": len(rows), "completions": 4 * len(rows)},
+              "leaderboard": {"queries": queries, "models": models, "baseline": "model-0"}}
+    for reuse in (True, False):
+        scorer.prefix_reuse = reuse
+        path = "prefix_reuse" if reuse else "plain"
+        timed_run(scorer, warm, data_dir / "score" / f"warm-{path}")  # compile and allocator warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        result["benchmark"][path] = timed_run(scorer, full, data_dir / "score" / path)
+    selection = select(bench, "model-0")
+    criteria = ["Prefers concise answers."]
+    for reuse in (False, True):
+        scorer.prefix_reuse = reuse
+        figures, _ = timed(scorer, selection, criteria, repeats=1)  # its own warm-up pass first
+        result["leaderboard"]["prefix_reuse" if reuse else "plain"] = figures
     if cuda:
-        overrides += ["trainer=fsdp", "trainer.devices=1", "compile=true",
-                      f"stream.num_workers={args.num_workers}"]
-    else:  # the smoke test: the tiny model as the demo trains it, eagerly
-        overrides += ["trainer=cpu", "compile=false", "torch_threads=1",
-                      f"model.vocab_size={args.vocab_size}"]
-    env = {**os.environ, "CRM_ROOT": str(data_dir), "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    started = time.perf_counter()
-    done = subprocess.run([str(BIN / "crm-train"), *overrides], env=env, capture_output=True, text=True)
-    if done.returncode:
-        return {"size": size, "error": done.stderr[-3000:]}
-    stats = json.loads(out.read_text())
-    return {"size": size, "micro_batch": micro, "activation_checkpointing": checkpointing,
-            "wall_seconds": round(time.perf_counter() - started, 1), **stats,
-            "plan": plan(size, micro, checkpointing, stats, args, cuda)}
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return result
 
 
-def plan(size: str, micro: int, checkpointing: bool, stats: dict, args, cuda: bool) -> dict:
-    """crm-plan's peak for the run's setting: at the widest micro batch the run met, and at the
-    stream's limit (what crm-plan is given before a run), against torch's peak allocated."""
-    from omegaconf import OmegaConf
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
 
-    from crm.perf.flops import ModelShape
-    from crm.perf.memory import memory_plan
-
-    # What crm-train builds: a published size keeps its vocabulary, a dict arch takes the tokenizer's.
-    arch = OmegaConf.to_container(OmegaConf.load(HERE.parent / "configs" / "model" / f"{size}.yaml"))["arch"]
-    shape = ModelShape.from_arch(arch, vocab_size=None if isinstance(arch, str) else args.vocab_size)
-    rows, width = stats["widest_micro_batch"]
-    common = dict(world=1, micro_batch_size=micro, kind="pairwise", precision="bf16-mixed",
-                  activation_checkpointing=checkpointing, compiled=cuda, packing=stats["packed"])
-    widest = memory_plan(shape, seq_len=width, **{**common, "micro_batch_size": rows})
-    limit = memory_plan(shape, seq_len=args.max_tokens, **common)
-    measured = stats["peak_allocated_gib"]
-    return {"at_widest_batch_gib": widest["total_gib"], "at_max_tokens_gib": limit["total_gib"],
-            "error_at_widest": None if not measured else widest["total_gib"] / measured - 1}
-
-
-def crm_vs_trl(args, cuda: bool) -> dict:
-    """benchmarks/train_vs_trl.py at equal memory (gradient checkpointing off in both)."""
-    command = [sys.executable, str(HERE / "train_vs_trl.py"), "--rounds", str(args.trl_rounds),
-               "--steps", str(args.trl_steps)]
-    if cuda:
-        command += ["--device", "cuda", "--arch", "qwen3-0.6b", "--long", "--compile", "--batch-size", "8",
-                    "--max-tokens", str(args.max_tokens), "--vocab-size", str(args.vocab_size)]
-    else:
-        command += ["--batch-size", "8", "--n-train", "300", "--max-tokens", "256", "--skip-pairwise"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        return {"error": done.stderr[-3000:]}
-    return json.loads(done.stdout)
+    found = {}
+    for name in ("torch", "transformers", "lightning", "tokenizers", "trl", "triton"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", help=f"size:micro:ckpt,... (default on CUDA {GPU_SIZES}; without, {CPU_SIZES})")
-    p.add_argument("--steps", type=int, help="optimizer steps per run (default 40 on CUDA, 6 on CPU)")
-    p.add_argument("--warmup", type=int, help="untimed steps (compile, allocator; default 10, CPU 2)")
-    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--tasks", help=f"comma-separated (default on CUDA {GPU_TASKS}; without, {CPU_TASKS})")
+    p.add_argument("--budget", type=float, default=None, help="seconds for all tasks (default: no limit)")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 8 on CUDA, 4 on CPU)")
+    p.add_argument("--warmup", type=int, help="untimed steps (compile, allocator; default 3, CPU 2)")
+    p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--records", type=int, help="long pairs generated (default 4000, CPU 200)")
+    p.add_argument("--records", type=int, help="long pairs generated (default 2000, CPU 200)")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--num-workers", type=int, default=4)
-    p.add_argument("--trl-rounds", type=int, help="alternating crm/TRL rounds (default 3, CPU 1)")
-    p.add_argument("--trl-steps", type=int, help="steps per crm/TRL run (default 30, CPU 8)")
-    p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--log-every", type=int, default=10, help="trainer's and crm's perf logging cadence")
+    p.add_argument("--trl-steps", type=int, help="steps per crm/TRL run (default 20, CPU 8)")
+    p.add_argument("--out", help="write the JSON here too, after every task")
+    p.add_argument("--score", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.path.insert(0, str(HERE))
+    if args.score:  # the scoring task, in a process of its own
+        print(json.dumps(score(Path(args.score), Path(args.data))))
+        return
     cuda = torch.cuda.is_available()
-    defaults = (dict(sizes=GPU_SIZES, steps=40, warmup=10, records=4000, trl_rounds=3, trl_steps=30)
+    defaults = (dict(tasks=GPU_TASKS, steps=8, warmup=3, records=2000, trl_steps=20)
                 if cuda else
-                dict(sizes=CPU_SIZES, steps=6, warmup=2, records=200, trl_rounds=1, trl_steps=8,
+                dict(tasks=CPU_TASKS, steps=4, warmup=2, records=200, trl_steps=8,
                      vocab_size=512, max_tokens=384, global_batch=8))
     for key, value in defaults.items():
         if getattr(args, key) is None or (not cuda and key in ("vocab_size", "max_tokens", "global_batch")):
             setattr(args, key, value)
-    sys.path.insert(0, str(HERE))
-    result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "settings": {k: v for k, v in vars(args).items()}}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir = prepare(Path(tmp), args.records, args.vocab_size, *((300, 700) if cuda else (20, 60)))
-        runs = []
-        for spec in args.sizes.split(","):
-            size, micro, ckpt = spec.split(":")
-            runs.append(crm_train(size, int(micro), ckpt == "on", data_dir, args, cuda))
-        result["crm_train"] = runs
-    if not args.skip_trl:
-        result["crm_vs_trl"] = crm_vs_trl(args, cuda)
-    print(json.dumps(result, indent=1))
+        runner = Runner(args, cuda, Path(tmp))
+        prepare(Path(tmp), args.records, args.vocab_size, *((300, 700) if cuda else (20, 60)))
+        runner.result["prepare_seconds"] = round(time.perf_counter() - started, 1)
+        for task in args.tasks.split(","):
+            kind, _, spec = task.partition("=")
+            estimate = ESTIMATES.get(spec.split(":")[0] if spec else kind, 60)
+            left = None if args.budget is None else args.budget - (time.perf_counter() - started)
+            task_started = time.perf_counter()
+            if left is not None and left < estimate:
+                outcome = {"skipped": f"{left:.0f} s of the {args.budget:.0f} s budget left, "
+                                      f"the task takes about {estimate} s"}
+            elif kind == "train":
+                size, micro, ckpt, mode = spec.split(":")
+                outcome = runner.crm_train(size, int(micro), ckpt == "on", mode)
+                runner.result["crm_train"].append(outcome)
+            else:
+                outcome = {"trl": runner.trl, "flex": runner.flex, "scoring": runner.scoring}[kind]()
+                runner.result["crm_vs_trl" if kind == "trl" else kind] = outcome
+            if "skipped" in outcome and kind == "train":
+                runner.result["crm_train"].append({"size": spec, "skipped": outcome["skipped"]})
+            seconds = round(time.perf_counter() - task_started, 1)
+            runner.result["tasks"].append({"task": task, "seconds": seconds,
+                                           **{k: outcome[k] for k in ("skipped",) if k in outcome},
+                                           **({"error": True} if "error" in outcome else {})})
+            runner.write()
+    print(json.dumps(runner.result, indent=1))
 
 
 if __name__ == "__main__":

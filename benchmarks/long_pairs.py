@@ -19,12 +19,7 @@ CRITERIA = ["Prefers concise answers.", "Likes detailed step-by-step explanation
 def write_long_pairs(path: str | Path, n: int, *, min_words: int = 300, max_words: int = 700,
                      seed: int = 0) -> Path:
     """`n` records {idx, prompt, model_a, model_b, criteria, preference} of made-up words."""
-    rng = random.Random(seed)
-    words = sorted({"".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(6000)})
-
-    def text(k: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(k)) + "."
-
+    rng, text = _writer(seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -38,6 +33,33 @@ def write_long_pairs(path: str | Path, n: int, *, min_words: int = 300, max_word
                 "criteria": rng.sample(CRITERIA, rng.randint(1, 3)),
                 "preference": rng.choice(["model_a", "model_b"])}) + "\n")
     return path
+
+
+def write_long_bench(path: str | Path, queries: int, models: int, *, min_words: int = 300,
+                     max_words: int = 700, query_words: tuple[int, int] = (20, 80), seed: int = 0) -> Path:
+    """A leaderboard bench of the same made-up words: `queries` lines {idx, topic, prompt, responses},
+    each answered by `models` models named model-0 ... (model-0 is the baseline in the benchmarks)."""
+    rng, text = _writer(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(queries):
+            f.write(json.dumps({
+                "idx": f"long-{i:05d}", "topic": f"topic-{i % 4}", "prompt": text(rng.randint(*query_words)),
+                "responses": {f"model-{m}": text(rng.randint(min_words, max_words)) for m in range(models)},
+            }) + "\n")
+    return path
+
+
+def _writer(seed: int):
+    """A seeded generator and its text(k): k words of a 6,000-word made-up vocabulary."""
+    rng = random.Random(seed)
+    words = sorted({"".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(6000)})
+
+    def text(k: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(k)) + "."
+
+    return rng, text
 
 
 if __name__ == "__main__":

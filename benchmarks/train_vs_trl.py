@@ -268,6 +268,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="crm's compiled decoder layers (CUDA)")
     p.add_argument("--skip-pairwise", action="store_true", help="no crm_pairwise runs (the CPU smoke test)")
     p.add_argument("--skip-trl", action="store_true", help="no TRL run (a machine without trl)")
+    p.add_argument("--runs", help=f"only these runs, comma-separated (of {', '.join(RUNS)})")
     p.add_argument("--out", help="also write the JSON here (benchmarks/results/)")
     p.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -278,6 +279,11 @@ def main() -> None:
 
     runs = ["crm_pointwise", "crm_pointwise_packed", *([] if args.skip_trl else ["trl"]),
             *([] if args.skip_pairwise else ["crm_pairwise", "crm_pairwise_packed"])]
+    if args.runs:
+        unknown = set(args.runs.split(",")) - set(RUNS)
+        if unknown:
+            p.error(f"--runs: {', '.join(sorted(unknown))} not among {', '.join(RUNS)}")
+        runs = args.runs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         prepare(tmp, args)
         results = {name: [] for name in runs}
@@ -323,7 +329,7 @@ def main() -> None:
                 packed["tokens_per_sample"] / padded["tokens_per_sample"], 4)
     if "trl" in result and "errors" not in result["trl"]:
         for name in ("crm_pointwise", "crm_pointwise_packed"):
-            if "errors" in result[name]:
+            if name not in result or "errors" in result[name]:
                 continue
             result[f"ratio_{name}_over_trl"] = round(result[name]["samples_per_s"]
                                                      / result["trl"]["samples_per_s"], 2)

@@ -14,7 +14,7 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_train.py"
 
 
-@pytest.mark.slow  # four processes of short runs: 60-70 s on 2 cores
+@pytest.mark.slow  # six processes of short runs: about 60 s on 2 cores
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs the real sizes")
 def test_without_cuda_the_benchmark_smoke_tests_its_harness():
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900)
@@ -29,10 +29,23 @@ def test_without_cuda_the_benchmark_smoke_tests_its_harness():
     assert run["mfu"] is None and run["peak_allocated_gib"] is None  # no GPU: no peak, no CUDA memory
     records, width = run["widest_micro_batch"]  # CPU pairwise: padded rows (stream.packing=auto)
     assert not run["packed"] and records == 8 and 0 < width <= 384
-    assert run["plan"]["at_widest_batch_gib"] <= run["plan"]["at_max_tokens_gib"]
+    assert run["mode"] == "pairwise"
+    assert run["planned_gib"] == run["plan"]["crm_plan_total_gib"] > 0  # crm-plan itself, run's overrides
+    assert run["plan"]["at_widest_batch_gib"] <= run["planned_gib"]
+    assert "host_syncs" not in run  # counted on CUDA only
+    scoring = result["scoring"]  # the run's export, loaded as crm-eval loads it
+    assert "error" not in scoring, scoring.get("error")
+    for path in ("plain", "prefix_reuse"):
+        assert scoring["benchmark"][path]["forwards"] == 12 * scoring["benchmark"]["prompts"]
+        assert scoring["leaderboard"][path]["pairs"] > 0
+    board = scoring["leaderboard"]
+    assert board["prefix_reuse"]["computed_tokens"] < board["plain"]["computed_tokens"]
+    assert "CUDA" in result["flex"]["skipped"]
     trl = result["crm_vs_trl"]
     assert "error" not in trl, trl.get("error")
-    assert trl["crm_pointwise"]["samples_per_s"] > 0 and trl["trl"]["samples_per_s"] > 0
-    assert trl["crm_pointwise_packed"]["real_token_fraction"] == 1.0
-    assert trl["setup"]["device"] == "cpu" and trl["ratio_crm_pointwise_over_trl"] > 0
-    assert "crm_pairwise" not in trl  # left out of the smoke test: the pointwise runs' code path
+    assert trl["crm_records_per_s"] > 0 and trl["trl_records_per_s"] > 0 and trl["ratio_crm_over_trl"] > 0
+    full = trl["train_vs_trl"]
+    assert full["crm_pointwise_packed"]["real_token_fraction"] == 1.0
+    assert full["setup"]["device"] == "cpu" and full["crm_pointwise"]["samples_per_s"] > 0
+    assert "crm_pairwise" not in full  # left out of the smoke test: the pointwise runs' code path
+    assert [t["task"] for t in result["tasks"]] == ["train=tiny:8:off:pairwise", "scoring", "trl", "flex"]
