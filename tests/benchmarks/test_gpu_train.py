@@ -14,7 +14,7 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_train.py"
 
 
-@pytest.mark.slow  # six processes of short runs: about 60 s on 2 cores
+@pytest.mark.slow  # five processes of short runs (crm-train, crm-plan, 2 train_vs_trl runs, the script)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs the real sizes")
 def test_without_cuda_the_benchmark_smoke_tests_its_harness():
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900)
@@ -46,6 +46,6 @@ def test_without_cuda_the_benchmark_smoke_tests_its_harness():
     assert trl["crm_records_per_s"] > 0 and trl["trl_records_per_s"] > 0 and trl["ratio_crm_over_trl"] > 0
     full = trl["train_vs_trl"]
     assert full["crm_pointwise_packed"]["real_token_fraction"] == 1.0
-    assert full["setup"]["device"] == "cpu" and full["crm_pointwise"]["samples_per_s"] > 0
-    assert "crm_pairwise" not in full  # left out of the smoke test: the pointwise runs' code path
+    assert full["setup"]["device"] == "cpu"
+    assert "crm_pointwise" not in full and "crm_pairwise" not in full  # the packed run against TRL
     assert [t["task"] for t in result["tasks"]] == ["train=tiny:8:off:pairwise", "scoring", "trl", "flex"]
