@@ -38,14 +38,17 @@ class Preemption(L.Callback):
     """The handlers only set a flag; the save happens where every rank is at the same point (the
     end of an optimizer step), so the checkpoint's weights, optimizer and stream position agree.
 
-    Timeline (SLURM.md, "Preemption and requeue"): a signal that arrives on any rank during
-    optimizer step s is known to every rank at the end of step s (the flags are all-reduced there,
-    on a gloo group: CPU tensors, no GPU sync), every rank saves `checkpoint_path` there, then
-    training stops: no validation, no other checkpoint. The warning signal (`signum`) then has
-    `requeue_command` run on global rank 0, with `{job_id}` filled in (skipped with no SLURM job
-    id: a local run just stops with its checkpoint); SIGTERM (SLURM's requeue, scancel or time
-    limit) saves and stops without requeueing. So the warning must come one optimizer step plus
-    one save before the end.
+    Timeline (SLURM.md, "Preemption and requeue"): with several ranks, a signal that arrives on
+    any rank during optimizer step s is in that rank's flag at the end of step s, where every rank
+    starts an all-reduce of the flags without waiting for it (a gloo group: CPU tensors, a thread
+    of gloo's, no GPU sync, no host barrier on the step); at the end of step s + 1 every rank reads
+    that result, the same on all, and saves `checkpoint_path` there, then training stops: no
+    validation, no other checkpoint. In one process the flag is read at the end of step s itself.
+    The warning signal (`signum`) then has `requeue_command` run on global rank 0, with `{job_id}`
+    filled in (skipped with no SLURM job id: a local run just stops with its checkpoint); SIGTERM
+    (SLURM's requeue, scancel or time limit) saves and stops without requeueing. So the warning
+    must come two optimizer steps plus one save before the end (step s's own periodic save or
+    validation, if due, still runs).
     """
 
     def __init__(self, checkpoint_path: str, signum: int = signal.SIGUSR1,
@@ -57,6 +60,7 @@ class Preemption(L.Callback):
         self.preempted = False  # the run saved and stopped because of it
         self.step = 0  # the optimizer step of the last step boundary seen
         self.group = None  # the CPU process group of the flags (several ranks)
+        self._pending = None  # (flags, work) of the all-reduce started at the last boundary
         self._previous_handler = None  # of `signum`, restored by release()
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -102,13 +106,31 @@ class Preemption(L.Callback):
             self._previous_handler = None
 
     def _any_rank_received(self) -> int:
-        """The largest flag of any rank (SLURM may signal only some ranks: any rank's stops all).
-        A blocking all-reduce at the boundary, on the CPU: the ranks meet there anyway (the
-        optimizer step's gradient reduction), so it costs a round trip, not a wait."""
+        """The largest flag of any rank as of the previous boundary (SLURM may signal only some
+        ranks: any rank's stops all), and this boundary's flags sent on their way. A blocking
+        all-reduce here would be a host barrier at every step on a GPU cluster, where the
+        gradients' reduction runs on the GPU's stream and the hosts otherwise never meet; the one
+        started a step ago has long arrived, so `wait` returns at once."""
         flag = torch.tensor([self.received], dtype=torch.int32)
-        if self.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.group is None:
+            return int(flag.numpy()[0])
+        previous = self._collect()
+        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group,
+                                               async_op=True))
+        return previous
+
+    def _collect(self) -> int:
+        """The result of the all-reduce in flight (NONE if none): every rank waits for its own."""
+        if self._pending is None:
+            return NONE
+        flag, work = self._pending
+        self._pending = None
+        work.wait()
         return int(flag.numpy()[0])  # a CPU tensor: numpy() refuses a device tensor, no sync
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # No collective may be in flight when the ranks leave the process group.
+        self._collect()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:

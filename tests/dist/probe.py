@@ -11,7 +11,8 @@ tests/dist on PYTHONPATH): what only the ranks of a run can show, written to `$P
 - The census of what may make the host wait, per rank and micro batch: every `Tensor.item()` and
   `Tensor.tolist()` (on a GPU tensor, a host-GPU sync), `barrier`, and every other collective by
   its group: `world` (the default group), `flags` (the preemption callback's gloo group) or
-  `group` (another: FSDP's mesh groups). A micro batch's window runs from its
+  `group` (another: FSDP's mesh groups), with `-async` where it was started without waiting
+  (`async_op=True`). A micro batch's window runs from its
   on_train_batch_start to the next one's (what Lightning does around the batch included).
 
 - Events in order, per rank: ["signal", step] (the probe signalled this rank: `$PROBE_SIGNAL` =
@@ -114,7 +115,8 @@ class Probe(L.Callback):
             if kind in ("all_reduce", "reduce_scatter"):  # the gradient counts, by group size
                 self.counts[f"{kind}/{dist.get_world_size(group)}"] += 1
             if kind != "reduce_scatter":  # FSDP's gradient reduction is counted above only
-                self.window[kind if kind == "barrier" else f"{kind}/{self._group_name(group)}"] += 1
+                name = kind if kind == "barrier" else f"{kind}/{self._group_name(group)}"
+                self.window[name + ("-async" if kwargs.get("async_op") else "")] += 1
             return collective(*args, **kwargs)
         return wrapper
 
