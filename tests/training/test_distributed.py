@@ -672,7 +672,7 @@ def assert_no_sync_on_micro_batches_that_do_not_log(census: list[list[dict]]) ->
 @pytest.mark.parametrize("ntasks,signalled,signame", [
     pytest.param(1, 0, "SIGTERM", id="1-task-sigterm"),
     pytest.param(2, 1, "SIGUSR1", id="2-nodes-one-signalled", marks=ranks)])
-def test_preemption_saves_at_the_end_of_the_signalled_step_and_the_requeued_job_resumes(
+def test_preemption_saves_at_a_step_boundary_and_the_requeued_job_resumes(
         root, tmp_path, ntasks, signalled, signame):
     bin_dir, calls = fake_scontrol(tmp_path)
     job_id = f"77{ntasks}"
