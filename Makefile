@@ -51,8 +51,10 @@ rl: install
 
 # Two pytest-xdist workers, one per core, whole files each (a file's module fixtures are built
 # once); a test marked both_cores (ranks, a SLURM job's tasks) runs while the other worker waits
-# (tests/conftest.py). `make test PYTEST_PARALLEL=` runs it in one process.
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
+# (tests/conftest.py). Files go out in tests/conftest.py's order (both_cores files first, then
+# longest first by tests/durations.json): --no-loadscope-reorder keeps xdist from re-sorting
+# them by test count. `make test PYTEST_PARALLEL=` runs it in one process.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 # The app's browser tests drive Debian's chromium (Playwright never downloads a browser here):
 # installed with apt-get when missing, which needs root (as CI has on a fresh machine).

@@ -9,8 +9,10 @@ the other cannot starve it by starting test after test. Without xdist the lock i
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -20,6 +22,9 @@ import torch
 from helpers import TINY_DEMO
 
 XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+# Seconds per test file in a recorded run of the whole suite: the order files are handed out in.
+# Rewritten by `python benchmarks/suite_durations.py JUNIT_XML --write-durations tests/durations.json`.
+DURATIONS = Path(__file__).parent / "durations.json"
 
 
 class CoreShare:
@@ -57,15 +62,23 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """xdist hands out whole files (--dist loadfile) in this order: first the files of both_cores
-    tests, which run one at a time whatever the order (the other worker then runs the next such
-    test, or waits), so that no both_cores test waits at the end for a long shared one; then the
-    files of slow tests that share the cores, so that none starts last and leaves a worker idle."""
-    def files(marker: str) -> set:
-        return {item.path for item in items if item.get_closest_marker(marker)}
+    """xdist hands out whole files (--dist loadfile --no-loadscope-reorder: xdist's own reorder,
+    by test count, would undo this) in this order: first the files of both_cores tests, then the
+    others, each group longest first by the seconds it took in the run recorded in DURATIONS
+    (a file not there: its tests at the median test's seconds). A both_cores test waits for the
+    other worker's test in progress to end, a core idle meanwhile: run while the other worker is
+    in the same kind of file, it waits for little; and a long file started last would leave a
+    core idle at the end (the longest-first rule of scheduling)."""
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    per_file, per_test = recorded.get("per_file", {}), recorded.get("median_test_seconds", 0.0)
+    counts = collections.Counter(item.nodeid.split("::")[0] for item in items)
+    seconds = {file: per_file.get(file, n * per_test) for file, n in counts.items()}
+    alone = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("both_cores")}
 
-    slow, alone = files("slow"), files("both_cores")
-    items.sort(key=lambda item: (item.path not in alone, item.path not in slow))
+    def key(item):
+        file = item.nodeid.split("::")[0]
+        return file not in alone, -seconds[file]
+    items.sort(key=key)
 
 
 @pytest.hookimpl(wrapper=True)
