@@ -15,6 +15,8 @@ times, and the mean and the 10th and 90th percentiles are printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import random
 import statistics
@@ -36,7 +38,8 @@ def collected() -> list[tuple[str, bool]]:
             found.extend((item.nodeid, item.get_closest_marker("both_cores") is not None)
                          for item in session.items)
 
-    pytest.main(["--collect-only", "-q", "-p", "no:randomly", str(ROOT / "tests")], plugins=[Plugin()])
+    with contextlib.redirect_stdout(io.StringIO()):  # pytest's listing: this prints JSON alone
+        pytest.main(["--collect-only", "-q", "-p", "no:randomly", str(ROOT / "tests")], plugins=[Plugin()])
     return found
 
 
