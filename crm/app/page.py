@@ -21,9 +21,11 @@ with crm/app/guards.py's: Gradio's upload route cut to the page's one upload (on
 files are held), event streams at most `streams_per_address` per address and `streams` in all,
 each ended after `stream_lifetime` seconds; API results not yet read at most
 `results_per_address` per address and `results` in all (429 past them), each dropped when unread
-after `result_age` seconds. The files Gradio keeps (CSV downloads, uploads) are deleted once
-`file_age` seconds old and at exit, and the per-board CSVs and votes files are bounded (MAX_CSV
-files each) and deleted at exit.
+after `result_age` seconds (and once read); sessions (the state Gradio keeps for each page a
+browser opens, or any session id a request names) at most `sessions_per_address` per address and
+`sessions` in all (429 past them), each forgotten once idle `session_age` seconds. The files
+Gradio keeps (CSV downloads, uploads) are deleted once `file_age` seconds old and at exit, and the
+per-board CSVs and votes files are bounded (MAX_CSV files each) and deleted at exit.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from crm.app.calibrate import SUGGESTED, Calibration, sides, write_votes
-from crm.app.guards import ServingGuard
+from crm.app.guards import ServingGuard, SessionGuard, Sessions
 from crm.app.service import BoardError, Leaderboards
 from crm.core.files import write_kept
 from crm.core.http import BodyLimit, server_config
@@ -108,6 +110,9 @@ class HttpLimits:
     results: int = 256
     results_per_address: int = 32
     result_age: float = 120.0
+    sessions: int = 512
+    sessions_per_address: int = 64
+    session_age: float = 3600.0
     file_age: int = 3600
 
 
@@ -494,6 +499,13 @@ class GradioServer(uvicorn.Server):
         super().__init__(config)
         self.page, self.gradio_app = page, gradio_app
         self.started_at = time.time()
+        self.thread: threading.Thread | None = None  # launch(block=False)'s
+
+    def stop(self, timeout: float = 30) -> None:
+        """Shut a server launch(block=False) started down, and wait for it."""
+        self.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout)
 
     async def shutdown(self, sockets=None) -> None:
         self.page._queue.close()
@@ -518,16 +530,18 @@ class GradioServer(uvicorn.Server):
 def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None = None,
            limits: HttpLimits = HttpLimits(), block: bool = True):
     """Serve until stopped (Ctrl-C or SIGTERM closes the server); `block=False` serves on a
-    thread and returns the uvicorn server (`should_exit = True` stops it)."""
+    thread and returns the uvicorn server (its stop() stops it)."""
     app = gr.mount_gradio_app(
         FastAPI(), page, "/", server_name=host, server_port=port, auth=auth, show_error=False,
         footer_links=["api"], run_history=False, enable_monitoring=False, ssr_mode=False,
         mcp_server=False, theme=THEME, css=CSS, max_file_size=limits.max_upload)
     gradio_app = next(route.app for route in app.routes if hasattr(route.app, "stop_event"))
-    guarded = ServingGuard(BodyLimit(app, limits.max_body, limits.read_timeout),
+    sessions = Sessions(page, limits.sessions_per_address, limits.sessions, limits.session_age)
+    guarded = ServingGuard(BodyLimit(SessionGuard(app, sessions), limits.max_body,
+                                     limits.read_timeout),
                            limits.streams_per_address, limits.streams, limits.stream_lifetime,
                            limits.results_per_address, limits.results, limits.result_age,
-                           queue=page._queue, upload_bytes=limits.max_upload,
+                           sessions=sessions, upload_bytes=limits.max_upload,
                            uploads=limits.uploads, upload_folder=get_upload_folder())
     server = GradioServer(server_config(
         guarded, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
@@ -540,8 +554,8 @@ def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None =
         except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again
             pass
         return server
-    thread = threading.Thread(target=server.run, daemon=True, name="crm-usl-server")
-    thread.start()
-    while not server.started and thread.is_alive():
-        thread.join(0.01)
+    server.thread = threading.Thread(target=server.run, daemon=True, name="crm-usl-server")
+    server.thread.start()
+    while not server.started and server.thread.is_alive():
+        server.thread.join(0.01)
     return server

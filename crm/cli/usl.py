@@ -48,12 +48,16 @@ class ServeConfig:
     results: int = MISSING
     results_per_address: int = MISSING
     result_age: float = MISSING
+    sessions: int = MISSING
+    sessions_per_address: int = MISSING
+    session_age: float = MISSING
     file_age: int = MISSING
 
     def __post_init__(self):
         for key in ("read_timeout", "keep_alive", "connections", "per_address", "write_timeout",
                     "max_body", "max_upload", "uploads", "streams", "streams_per_address",
-                    "stream_lifetime", "results", "results_per_address", "result_age", "file_age"):
+                    "stream_lifetime", "results", "results_per_address", "result_age", "sessions",
+                    "sessions_per_address", "session_age", "file_age"):
             if getattr(self, key) <= 0:  # a zero limit or timeout would refuse or drop every request
                 raise ValueError(f"serve.{key}={getattr(self, key)}: expected a number > 0")
 

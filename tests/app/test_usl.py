@@ -324,6 +324,62 @@ def test_the_default_board_ranks_under_the_generic_criterion(tmp_path):
     assert [r["rank"] for r in doc["rows"]] == [1, 2, 3]
 
 
+# -- the page served in process: Gradio's sessions ------------------------------------------------
+
+def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
+    """The page served as crm-usl serves it (launch), on a free port: an API call's own session
+    is forgotten once its result is read; the sessions a page's requests name are at most
+    serve.sessions_per_address from one address (a one-line 429 past them, a known one still
+    served), and one idle serve.session_age seconds is forgotten with what Gradio held of it.
+    Gradio's own session store (its state per session) is read directly."""
+    import httpx
+    from helpers import free_port
+
+    from crm.app.page import HttpLimits, build, default_board, launch
+
+    lb = service(tmp_path)
+    page = build(lb, default_board(lb))
+    port = free_port()
+    server = launch(page, "127.0.0.1", port, block=False,
+                    limits=HttpLimits(sessions_per_address=3, session_age=1.0))
+    url = f"http://127.0.0.1:{port}/gradio_api"
+    queue, held = page._queue, page.state_holder.session_data
+
+    def settles(condition) -> bool:
+        """The server's thread finishes a request after its client has the answer."""
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return condition()
+
+    try:
+        with httpx.Client(timeout=30) as http:
+            for _ in range(4):
+                event = http.post(f"{url}/call/rank", json={"data": ["be brief", []]})
+                result = http.get(f"{url}/call/rank/{event.json()['event_id']}")
+                assert "event: complete" in result.text, result.text
+            assert settles(lambda: not held and not queue.pending_messages_per_session)  # kept: 4
+
+            drill = next(f._id for f in page.fns.values() if f.name == "drill")
+
+            def join(session: str) -> httpx.Response:
+                return http.post(f"{url}/queue/join", json={
+                    "data": [None, None], "fn_index": drill, "session_hash": session})
+
+            assert [join(f"s{i}").status_code for i in range(3)] == [200] * 3
+            assert join("s0").status_code == 200  # a known session: used again
+            refused = join("s3")
+            assert refused.status_code == 429, refused.text
+            assert "too many sessions (3 from 127.0.0.1" in refused.json()["detail"]
+            assert set(held) == {"s0", "s1", "s2"}
+            assert settles(lambda: not queue.event_ids_to_events)  # a running one's is kept
+            time.sleep(1.2)  # idle past serve.session_age
+            assert join("s3").status_code == 200
+            assert set(held) == {"s3"} and set(queue.pending_messages_per_session) == {"s3"}
+    finally:
+        server.stop()
+
+
 # -- the command ----------------------------------------------------------------------------------
 
 def test_crm_usl_serves_the_demo_by_default_and_says_how_to_make_it(tmp_path, monkeypatch):
