@@ -23,6 +23,7 @@ from crm.app.service import Limits
 from crm.cli.common import (PathsConfig, ScorerSettings, load_scorer, one_line_config_errors,
                             register_schema, settings)
 from crm.core.errors import ConfigError
+from crm.core.heap import freeze_startup_heap
 from crm.evaluation.leaderboard import Bootstrap
 
 log = logging.getLogger("crm.app")
@@ -164,6 +165,7 @@ def main(cfg: DictConfig) -> None:
           f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
           flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
+    freeze_startup_heap()  # the model, torch and Gradio: out of the collector's full passes
     serve = cfg.serve
     launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(**{
         key: serve[key] for key in HttpLimits.__dataclass_fields__}))
