@@ -77,7 +77,7 @@ class Sessions:
     heartbeat or its queue's stream (a browser's page reopens them). Without `page` (tests) only
     the counts are kept."""
 
-    def __init__(self, page=None, per_address: int = 64, total: int = 512, idle: float = 3600.0):
+    def __init__(self, page=None, per_address: int = 64, total: int = 256, idle: float = 3600.0):
         self.page, self.per_address, self.total, self.idle = page, per_address, total, idle
         self.known: dict[str, Session] = {}
         self.by_address: Counter = Counter()

@@ -328,7 +328,8 @@ def test_the_default_board_ranks_under_the_generic_criterion(tmp_path):
 
 def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
     """The page served as crm-usl serves it (launch), on a free port: an API call's own session
-    is forgotten once its result is read; the sessions a page's requests name are at most
+    is forgotten once its result is read; a queued handler is not run past the queue (Gradio's
+    REST route refuses it); the sessions a page's requests name are at most
     serve.sessions_per_address from one address (a one-line 429 past them, a known one still
     served), and one idle serve.session_age seconds is forgotten with what Gradio held of it.
     Gradio's own session store (its state per session) is read directly."""
@@ -366,6 +367,8 @@ def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
                 return http.post(f"{url}/queue/join", json={
                     "data": [None, None], "fn_index": drill, "session_hash": session})
 
+            direct = http.post(f"{url}/run/predict", json={"data": [None, None], "fn_index": drill})
+            assert direct.status_code == 404 and "join the queue" in direct.text  # not past it
             assert [join(f"s{i}").status_code for i in range(3)] == [200] * 3
             assert join("s0").status_code == 200  # a known session: used again
             refused = join("s3")
@@ -378,6 +381,26 @@ def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
             assert set(held) == {"s3"} and set(queue.pending_messages_per_session) == {"s3"}
     finally:
         server.stop()
+
+
+def test_gradios_empty_leftovers_are_removed_once_old_enough(tmp_path):
+    """What Gradio leaves in its folder once it has deleted a file it kept: the file's directory,
+    and its multipart parser's empty `tmp*` file; nothing newer, nothing with content."""
+    import os
+
+    from crm.app.page import remove_empty
+
+    old = time.time() - 100
+    for name in ("old-dir", "fresh-dir", "full-dir"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "full-dir" / "leaderboard.csv").write_text("a,b\n")
+    for name, text in (("tmpold", ""), ("tmpfresh", ""), ("tmpfull", "x"), ("notes", "")):
+        (tmp_path / name).write_text(text)
+    for name in ("old-dir", "full-dir", "tmpold", "tmpfull", "notes"):
+        os.utime(tmp_path / name, (old, old))
+    remove_empty(tmp_path, until=time.time() - 50)
+    assert {p.name for p in tmp_path.iterdir()} == {"fresh-dir", "full-dir", "tmpfresh",
+                                                    "tmpfull", "notes"}
 
 
 # -- the command ----------------------------------------------------------------------------------

@@ -88,8 +88,9 @@ def app(tmp_path_factory):
     output = log.read_text()
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    # the per-board CSVs and Gradio's files (downloads, uploads) are deleted at exit
-    assert not [p for path in temp.values() for p in path.rglob("*") if p.is_file()]
+    # the per-board CSVs and Gradio's files and directories (downloads, uploads) are deleted at
+    # exit
+    assert not [p for path in temp.values() for p in path.rglob("*")]
 
 
 # -- the API --------------------------------------------------------------------------------------
