@@ -53,6 +53,8 @@ CALL = re.compile(r"^(/gradio_api)?/call/(v2/)?[^/]+/?$")  # POST: an API call, 
 RESULT = re.compile(r"^(/gradio_api)?/call/(v2/)?[^/]+/(?P<event>[^/]+)/?$")  # GET: its result
 # POSTs whose JSON body may name a session (`session_hash`) that Gradio then keeps a state for.
 SESSION_ROUTES = re.compile(r"^(/gradio_api)?/(queue/join|run/[^/]+|api/[^/]+|call/(v2/)?[^/]+)/?$")
+# Characters of a session id (a browser's are 11): each is a key of several maps, kept an hour.
+MAX_SESSION_ID = 128
 
 
 class Unread(NamedTuple):
@@ -192,6 +194,9 @@ class SessionGuard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         session = session_named(body)
+        if session is not None and len(session) > MAX_SESSION_ID:
+            return await refuse(scope, send, 400, (
+                f"a session id of {len(session)} characters: at most {MAX_SESSION_ID}"))
         if session is not None:
             refused = self.sessions.admit(session, _address(scope))
             if refused is not None:

@@ -135,6 +135,8 @@ def test_a_request_naming_a_session_past_the_bounds_is_refused_before_the_app():
         sent = post(second, path)
         assert sent[0]["status"] == 429 and b"too many sessions (1 from 10.0.0.1" in sent[1]["body"]
         assert sent[1]["body"].count(b"\n") == 0
+    sent = post(json.dumps({"data": [], "session_hash": "s" * 129}).encode())
+    assert sent[0]["status"] == 400 and b"a session id of 129 characters" in sent[1]["body"]
     for body in (first, b'{"data": ["no session"]}', b"not json"):  # Gradio's to answer
         assert post(body)[0]["status"] == 200
     assert len(reached) == 4
