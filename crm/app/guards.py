@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs
 
+from crm.core.errors import excerpt
 from crm.core.http import refuse, replayed
 
 log = logging.getLogger("crm.app")
@@ -52,7 +53,8 @@ SESSION_STREAM = re.compile(r"^(/gradio_api)?/(heartbeat/(?P<session>[^/]+)|queu
 CALL = re.compile(r"^(/gradio_api)?/call/(v2/)?[^/]+/?$")  # POST: an API call, answered with its event id
 RESULT = re.compile(r"^(/gradio_api)?/call/(v2/)?[^/]+/(?P<event>[^/]+)/?$")  # GET: its result
 # POSTs whose JSON body may name a session (`session_hash`) that Gradio then keeps a state for.
-SESSION_ROUTES = re.compile(r"^(/gradio_api)?/(queue/join|run/[^/]+|api/[^/]+|call/(v2/)?[^/]+)/?$")
+SESSION_ROUTES = re.compile(
+    r"^(/gradio_api)?/(queue/join|(?P<route>run|api|call|call/v2)/(?P<api>[^/]+))/?$")
 # Characters of a session id (a browser's are 11): each is a key of several maps, kept an hour.
 MAX_SESSION_ID = 128
 
@@ -164,27 +166,28 @@ class Sessions:
             queue.pending_event_ids_session.pop(session, None)
 
 
-def session_named(body: bytes) -> str | None:
-    """The `session_hash` a JSON request body names, parsed as Gradio parses it (json.loads:
-    the last of repeated keys); None for anything else, which Gradio refuses itself."""
+def json_object(body: bytes) -> dict:
+    """A JSON request body's object, parsed as Gradio parses it (json.loads: the last of
+    repeated keys); {} for anything else, which Gradio refuses itself."""
     try:
         data = json.loads(body)
     except ValueError:
-        return None
-    session = data.get("session_hash") if isinstance(data, dict) else None
-    return session if isinstance(session, str) else None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class SessionGuard:
     """ASGI middleware behind BodyLimit (so a body arrives whole and bounded): a POST that names
-    a session Sessions does not admit gets 429 with one line before Gradio makes a state for it."""
+    a session Sessions does not admit gets 429 with one line before Gradio makes a state for it,
+    and one that names a handler (`fn_index`) or an API (the path) the page does not have 400 or
+    404 (Gradio's lookups raise KeyError or FnIndexInferError: 500 and a traceback)."""
 
     def __init__(self, app, sessions: Sessions):
         self.app, self.sessions = app, sessions
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] != "http" or scope.get("method") != "POST"
-                or not SESSION_ROUTES.match(scope.get("path", ""))):
+        route = SESSION_ROUTES.match(scope.get("path", ""))
+        if scope["type"] != "http" or scope.get("method") != "POST" or route is None:
             return await self.app(scope, receive, send)
         body, more = b"", True
         while more:
@@ -193,7 +196,19 @@ class SessionGuard:
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        session = session_named(body)
+        data = json_object(body)
+        handler, session = data.get("fn_index"), data.get("session_hash")
+        page = self.sessions.page
+        if route["route"] in ("call", "call/v2"):
+            handler = None  # a call names its API by the path only
+        if page is not None and handler is not None and (
+                type(handler) is not int or handler not in page.fns):
+            return await refuse(scope, send, 400, f"no handler {excerpt(handler)} on this page")
+        if page is not None and handler is None and route["api"] is not None and route["api"] not in {
+                fn.api_name for fn in page.fns.values()}:
+            return await refuse(scope, send, 404, f"no API named {excerpt(route['api'])}")
+        if not isinstance(session, str):
+            session = None
         if session is not None and len(session) > MAX_SESSION_ID:
             return await refuse(scope, send, 400, (
                 f"a session id of {len(session)} characters: at most {MAX_SESSION_ID}"))

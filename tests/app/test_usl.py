@@ -329,7 +329,7 @@ def test_the_default_board_ranks_under_the_generic_criterion(tmp_path):
 def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
     """The page served as crm-usl serves it (launch), on a free port: an API call's own session
     is forgotten once its result is read; a queued handler is not run past the queue (Gradio's
-    REST route refuses it); the sessions a page's requests name are at most
+    REST route refuses it); a handler or API the page lacks is a one-line 400 or 404; the sessions a page's requests name are at most
     serve.sessions_per_address from one address (a one-line 429 past them, a known one still
     served), and one idle serve.session_age seconds is forgotten with what Gradio held of it.
     Gradio's own session store (its state per session) is read directly."""
@@ -369,6 +369,13 @@ def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
 
             direct = http.post(f"{url}/run/predict", json={"data": [None, None], "fn_index": drill})
             assert direct.status_code == 404 and "join the queue" in direct.text  # not past it
+            for route, body, status, message in [  # Gradio: 500 and a traceback in the log
+                    ("run/predict", {"data": [], "fn_index": 999}, 400, "no handler 999"),
+                    ("queue/join", {"data": [], "fn_index": "x", "session_hash": "z"}, 400,
+                     "no handler 'x'"),
+                    ("call/nosuch", {"data": []}, 404, "no API named 'nosuch'")]:
+                wrong = http.post(f"{url}/{route}", json=body)
+                assert wrong.status_code == status and message in wrong.json()["detail"], wrong.text
             assert [join(f"s{i}").status_code for i in range(3)] == [200] * 3
             assert join("s0").status_code == 200  # a known session: used again
             refused = join("s3")
