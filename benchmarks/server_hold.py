@@ -74,6 +74,7 @@ class Watch:
     def __init__(self, pid: int, probe):
         self.pid, self.probe = pid, probe
         self.latencies: list[float] = []
+        self.slow: list[tuple[float, float]] = []  # (when it started, s into the watch; latency)
         self.statuses: Counter = Counter()
         self.rss: list[float] = []
         self.stop = threading.Event()
@@ -86,6 +87,8 @@ class Watch:
         except Exception as exc:
             status = type(exc).__name__
         self.latencies.append(time.perf_counter() - t0)
+        if self.latencies[-1] > 1:
+            self.slow.append((round(t0 - self.started, 2), round(self.latencies[-1], 3)))
         self.statuses[status] += 1
 
     def _run(self) -> None:
@@ -100,6 +103,7 @@ class Watch:
             time.sleep(0.1)
 
     def __enter__(self) -> Watch:
+        self.started = time.perf_counter()
         self.runner = threading.Thread(target=self._run, daemon=True)
         self.runner.start()
         return self
@@ -117,6 +121,7 @@ class Watch:
                 "probe_p50_s": round(late[len(late) // 2], 3) if late else None,
                 "probe_max_s": round(late[-1], 3) if late else None,
                 "probes_over_2s": sum(t > 2 for t in late),
+                "probes_over_1s_at": sorted(self.slow),  # [s into the attack, latency]
                 "rss_mb": {"before": round(before), "peak": round(max(self.rss, default=0)),
                            "after": round(after)}}
 
@@ -217,7 +222,7 @@ def attack_surrogate(port: int, args) -> dict:
 
 def attack_silent(port: int, args) -> dict:
     """4,200 connections from one address that send nothing, held --hold seconds."""
-    held, answers = [], []
+    held, answers, t0 = [], [], time.perf_counter()
     for _ in range(4200):
         try:
             s = socket.create_connection(("127.0.0.1", port), timeout=10,
@@ -225,9 +230,10 @@ def attack_silent(port: int, args) -> dict:
             held.append(s)
         except OSError as exc:
             answers.append(type(exc).__name__.encode())
+    opening_s = time.perf_counter() - t0
     time.sleep(args.hold)
     answers += [state_of(s) for s in held]
-    return {**received(answers), "opened": len(held)}
+    return {**received(answers), "opened": len(held), "opening_s": round(opening_s, 2)}
 
 
 def attack_heads(port: int, args) -> dict:

@@ -8,10 +8,11 @@ the attacker runs from 127.0.0.2; the server's RSS is sampled every 0.1 s. Each 
 probes' latencies, RSS before / peak / after, what the attacker received, and whether the server's
 log gained a traceback. At the end: files left in the server's temp directories after it exits.
 
-Bounded: each attack opens at most 300 connections or sends at most 2,000 requests, holds at most
+Bounded: each attack opens at most 300 connections or sends at most 3,800 requests, holds at most
 --hold seconds, every socket has a timeout; it targets 127.0.0.1 only.
 
-    python benchmarks/usl_hold.py [--only no_read silent streams bombs upload unread] [--hold 15]
+    python benchmarks/usl_hold.py [--only no_read silent streams bombs upload unread sessions]
+                                  [--hold 15]
 """
 from __future__ import annotations
 
@@ -139,14 +140,28 @@ def attack_bombs(port, url, args) -> dict:
 
 
 def attack_upload(port, url, args) -> dict:
-    """24 requests of 900 distinct 1 KB files each to Gradio's upload routes."""
-    def upload(k: int) -> bytes:
-        files = [("files", (f"{k}-{i}.txt", os.urandom(512).hex().encode(), "text/plain"))
-                 for i in range(900)]
+    """24 requests of 900 distinct 1 KB files each to Gradio's upload route (the issue's shape),
+    then 1,000 requests of one distinct 16 KiB file each (the most the route takes: the votes
+    file), 8 at a time; what lies in Gradio's upload folder after."""
+    def upload(files: list) -> bytes:
         with httpx.Client(transport=httpx.HTTPTransport(local_address=ATTACKER)) as http:
             response = http.post(f"{url}/gradio_api/upload", files=files, timeout=60)
         return f"HTTP/1.1 {response.status_code}\r\n\r\n{response.text}".encode()
-    return received(concurrently([lambda k=k: upload(k) for k in range(24)]))
+
+    def text(name: str, size: int) -> tuple:
+        return ("files", (name, os.urandom(size // 2).hex().encode(), "text/plain"))
+
+    many = received(concurrently([
+        lambda k=k: upload([text(f"{k}-{i}.txt", 1024) for i in range(900)]) for k in range(24)]))
+    ones = []
+    for k in range(0, 1000, 8):
+        ones += concurrently([lambda i=i: upload([text(f"votes-{i}.jsonl", 16384)])
+                              for i in range(k, k + 8)])
+    files = [p for p in args.upload_dir.rglob("*") if p.is_file()]
+    return {"900_files_a_request": many, "one_file_a_request": received(ones),
+            "upload_folder_after": {"files": len(files),
+                                    "with_content": sum(p.stat().st_size > 0 for p in files),
+                                    "mb": round(sum(p.stat().st_size for p in files) / 2**20, 2)}}
 
 
 def attack_unread(port, url, args) -> dict:
@@ -162,8 +177,34 @@ def attack_unread(port, url, args) -> dict:
     return {"status_lines": {f"HTTP/1.1 {k}": v for k, v in statuses.items()}}
 
 
+def attack_sessions(port, url, args) -> dict:
+    """3,000 sessions (the issue's count), each a page's board asked for through Gradio's queue
+    (`/queue/join` with a new session id, the default criteria on every topic: a board already
+    scored), whose answers are never read; from the attacker's address, then 100 more from each
+    of 8 more addresses (127.0.1.1-8) against the bound in all."""
+    config = httpx.get(f"{url}/config", timeout=30).json()
+    generate = next(d["id"] for d in config["dependencies"] if d.get("api_name") == "generate")
+    statuses: Counter = Counter()
+    example = ""
+    for address, count in [(ATTACKER, 3000)] + [(f"127.0.1.{k}", 100) for k in range(1, 9)]:
+        with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=address)) as http:
+            for i in range(count):
+                try:
+                    answer = http.post(f"{url}/gradio_api/queue/join", json={
+                        "data": ["General user preference", "", args.topics, "", 5],
+                        "fn_index": generate, "session_hash": f"attack-{address}-{i}"})
+                    statuses[answer.status_code] += 1
+                    if answer.status_code != 200:
+                        example = answer.text
+                except httpx.HTTPError as exc:
+                    statuses[type(exc).__name__] += 1
+    return {"status_lines": {f"HTTP/1.1 {k}": v for k, v in statuses.items()},
+            "example_body": example[:300]}
+
+
 ATTACKS = {"no_read": attack_no_read, "silent": attack_silent, "streams": attack_streams,
-           "bombs": attack_bombs, "upload": attack_upload, "unread": attack_unread}
+           "bombs": attack_bombs, "upload": attack_upload, "unread": attack_unread,
+           "sessions": attack_sessions}
 
 
 def main() -> None:
@@ -185,6 +226,9 @@ def main() -> None:
         temp = {"TMPDIR": work / "tmp", "GRADIO_TEMP_DIR": work / "gradio"}
         for path in temp.values():
             path.mkdir()
+        args.upload_dir = temp["GRADIO_TEMP_DIR"]
+        args.topics = sorted({json.loads(line)["topic"]
+                              for line in (work / "demo" / "bench.jsonl").read_text().splitlines()})
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log_path = work / "server.log"

@@ -7,7 +7,8 @@ an upgrade that renames or bypasses one fails here instead of silently doing not
   `_can_stop_early` (crm.training.trainer.validate_on_step_boundaries);
 - uvicorn: H11Protocol's hooks and attributes that crm.core.http's deadline uses;
 - Gradio: Blocks.queue's arguments and Blocks.validate_inputs, looked up on the instance
-  (crm.app.page);
+  (crm.app.page); the queue's and the state holder's per-session stores that crm.app.guards'
+  Sessions drops;
 - Hydra: hydra._internal.utils.run_and_report, looked up by name when a command runs
   (crm.cli.common.install).
 """
@@ -76,6 +77,16 @@ def test_gradios_queue_and_validate_inputs_are_what_blocks_call():
     assert {"max_size", "default_concurrency_limit"} <= set(parameters)
     assert list(inspect.signature(page.validate_inputs).parameters)[:2] == ["block_fn", "inputs"]
     assert "self.validate_inputs(" in inspect.getsource(gr.Blocks)
+    page.queue()
+    queue = page._queue
+    for store in ("pending_messages_per_session", "pending_event_ids_session",
+                  "event_ids_to_events"):
+        assert hasattr(getattr(queue, store), "pop"), store
+    from gradio.state_holder import StateHolder
+
+    holder = StateHolder()
+    assert {"session_data", "time_last_used", "lock"} <= set(vars(holder))
+    assert list(inspect.signature(holder.delete_state).parameters)[:1] == ["session_id"]
 
 
 def test_hydras_run_and_report_is_looked_up_by_name_when_a_command_runs():

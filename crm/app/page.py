@@ -21,13 +21,19 @@ with crm/app/guards.py's: Gradio's upload route cut to the page's one upload (on
 files are held), event streams at most `streams_per_address` per address and `streams` in all,
 each ended after `stream_lifetime` seconds; API results not yet read at most
 `results_per_address` per address and `results` in all (429 past them), each dropped when unread
-after `result_age` seconds. The files Gradio keeps (CSV downloads, uploads) are deleted once
-`file_age` seconds old and at exit, and the per-board CSVs and votes files are bounded (MAX_CSV
-files each) and deleted at exit.
+after `result_age` seconds (and once read); sessions (the state Gradio keeps for each page a
+browser opens, or any session id a request names) at most `sessions_per_address` per address and
+`sessions` in all (429 past them), each forgotten once idle `session_age` seconds. The files
+Gradio keeps (CSV downloads, uploads) are deleted once `file_age` seconds old and at exit (with
+the empty directories and temporary files Gradio leaves: GradioServer), and the per-board CSVs and
+votes files are bounded (MAX_CSV files each) and deleted at exit. Gradio's REST routes run only
+the page's unqueued handlers (a queued one there would skip the queue and its bound).
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import csv
 import html
 import logging
@@ -51,7 +57,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from crm.app.calibrate import SUGGESTED, Calibration, sides, write_votes
-from crm.app.guards import ServingGuard
+from crm.app.guards import ServingGuard, SessionGuard, Sessions
 from crm.app.service import BoardError, Leaderboards
 from crm.core.files import write_kept
 from crm.core.http import BodyLimit, server_config
@@ -108,6 +114,9 @@ class HttpLimits:
     results: int = 256
     results_per_address: int = 32
     result_age: float = 120.0
+    sessions: int = 256
+    sessions_per_address: int = 64
+    session_age: float = 3600.0
     file_age: int = 3600
 
 
@@ -433,7 +442,9 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
         page.load(from_url, None, [criteria, contrast, chosen, describe, k, tabs, *board_outputs],
                   api_visibility="private", **boards)
         gr.api(_rank_endpoint(service), api_name="rank", **boards)
-    page.queue(max_size=queue_size, default_concurrency_limit=None)
+    # api_open=False: Gradio's REST routes (/run/..., /api/...) would run a queued handler
+    # directly, past the queue and its bound; the page calls them only for its unqueued buttons.
+    page.queue(max_size=queue_size, default_concurrency_limit=None, api_open=False)
     _one_line_input_errors(page)
     return page
 
@@ -488,60 +499,100 @@ def default_board(service: Leaderboards, criteria=DEFAULT_CRITERIA) -> dict:
 class GradioServer(uvicorn.Server):
     """uvicorn serving a mounted Gradio page. A page's streams (session heartbeats, queue
     events) run until the page says stop: at shutdown they are ended first, as Gradio's own
-    close() does, so that the shutdown waits for no client."""
+    close() does, so that the shutdown waits for no client.
 
-    def __init__(self, config: uvicorn.Config, page: gr.Blocks, gradio_app):
+    Gradio deletes the files it keeps once `file_age` seconds old (and at exit), but not the
+    directory each lies in (one per file's content: a board's CSV, a votes file); its multipart
+    parser leaves an empty temporary file per upload at the top of its folder, and each page
+    makes an empty `vibe_edit_history` directory there (for editing a page's code, which this
+    server does not run). Every `file_age` seconds the empty directories and temporary files
+    unchanged that long are removed, and at exit the empty ones made there since the app was made
+    (`started_at`; a second earlier, for the file system's clock), and `vibe_edit_history` if
+    empty."""
+
+    def __init__(self, config: uvicorn.Config, page: gr.Blocks, gradio_app, file_age: float,
+                 started_at: float):
         super().__init__(config)
-        self.page, self.gradio_app = page, gradio_app
-        self.started_at = time.time()
+        self.page, self.gradio_app, self.file_age = page, gradio_app, file_age
+        self.started_at = started_at  # before the app was made
+        self.thread: threading.Thread | None = None  # launch(block=False)'s
+        self.sweeper: asyncio.Task | None = None
+
+    def stop(self, timeout: float = 30) -> None:
+        """Shut a server launch(block=False) started down, and wait for it."""
+        self.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        self.sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.file_age)
+            await asyncio.to_thread(remove_empty, Path(get_upload_folder()),
+                                    until=time.time() - self.file_age)
 
     async def shutdown(self, sockets=None) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
         self.page._queue.close()
         self.page.is_running = False
         self.gradio_app.stop_event.set()
         await super().shutdown(sockets)
-        self.remove_upload_leftovers()
+        folder = Path(get_upload_folder())
+        remove_empty(folder, since=self.started_at - 1)
+        with contextlib.suppress(OSError):  # made with the page, before: removed when empty
+            (folder / "vibe_edit_history").rmdir()
 
-    def remove_upload_leftovers(self) -> None:
-        """Gradio's multipart parser leaves an empty temporary file at the top of its upload
-        folder for each upload of the votes file (the content goes to its cache, which it deletes
-        itself): the empty `tmp*` files made there since this server started are removed."""
-        for path in Path(get_upload_folder()).glob("tmp*"):
-            try:
-                stat = path.stat()
-                if path.is_file() and stat.st_size == 0 and stat.st_mtime >= self.started_at - 1:
-                    path.unlink()
-            except FileNotFoundError:
-                pass
+
+def remove_empty(folder: Path, since: float = 0.0, until: float = float("inf")) -> None:
+    """The empty directories, and empty `tmp*` files, at the top of `folder` last changed
+    between `since` and `until` (seconds since the epoch)."""
+    for path in folder.iterdir():
+        try:
+            stat = path.stat()
+            if not since <= stat.st_mtime <= until:
+                continue
+            if path.is_file() and path.name.startswith("tmp") and stat.st_size == 0:
+                path.unlink()
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        except OSError:  # filled, or removed, meanwhile
+            pass
 
 
 def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None = None,
            limits: HttpLimits = HttpLimits(), block: bool = True):
     """Serve until stopped (Ctrl-C or SIGTERM closes the server); `block=False` serves on a
-    thread and returns the uvicorn server (`should_exit = True` stops it)."""
+    thread and returns the uvicorn server (its stop() stops it)."""
+    started_at = time.time()
     app = gr.mount_gradio_app(
         FastAPI(), page, "/", server_name=host, server_port=port, auth=auth, show_error=False,
         footer_links=["api"], run_history=False, enable_monitoring=False, ssr_mode=False,
         mcp_server=False, theme=THEME, css=CSS, max_file_size=limits.max_upload)
     gradio_app = next(route.app for route in app.routes if hasattr(route.app, "stop_event"))
-    guarded = ServingGuard(BodyLimit(app, limits.max_body, limits.read_timeout),
+    sessions = Sessions(page, limits.sessions_per_address, limits.sessions, limits.session_age)
+    guarded = ServingGuard(BodyLimit(SessionGuard(app, sessions), limits.max_body,
+                                     limits.read_timeout),
                            limits.streams_per_address, limits.streams, limits.stream_lifetime,
                            limits.results_per_address, limits.results, limits.result_age,
-                           queue=page._queue, upload_bytes=limits.max_upload,
+                           sessions=sessions, upload_bytes=limits.max_upload,
                            uploads=limits.uploads, upload_folder=get_upload_folder())
     server = GradioServer(server_config(
         guarded, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
         connections=limits.connections, per_address=limits.per_address,
         write_timeout=limits.write_timeout, host=host, port=port, log_level="warning",
-        timeout_graceful_shutdown=5), page, gradio_app)
+        timeout_graceful_shutdown=5), page, gradio_app, limits.file_age, started_at)
     if block:
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again
             pass
         return server
-    thread = threading.Thread(target=server.run, daemon=True, name="crm-usl-server")
-    thread.start()
-    while not server.started and thread.is_alive():
-        thread.join(0.01)
+    server.thread = threading.Thread(target=server.run, daemon=True, name="crm-usl-server")
+    server.thread.start()
+    while not server.started and server.thread.is_alive():
+        server.thread.join(0.01)
     return server

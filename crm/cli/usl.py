@@ -23,6 +23,7 @@ from crm.app.service import Limits
 from crm.cli.common import (PathsConfig, ScorerSettings, load_scorer, one_line_config_errors,
                             register_schema, settings)
 from crm.core.errors import ConfigError
+from crm.core.heap import freeze_startup_heap
 from crm.evaluation.leaderboard import Bootstrap
 
 log = logging.getLogger("crm.app")
@@ -48,12 +49,16 @@ class ServeConfig:
     results: int = MISSING
     results_per_address: int = MISSING
     result_age: float = MISSING
+    sessions: int = MISSING
+    sessions_per_address: int = MISSING
+    session_age: float = MISSING
     file_age: int = MISSING
 
     def __post_init__(self):
         for key in ("read_timeout", "keep_alive", "connections", "per_address", "write_timeout",
                     "max_body", "max_upload", "uploads", "streams", "streams_per_address",
-                    "stream_lifetime", "results", "results_per_address", "result_age", "file_age"):
+                    "stream_lifetime", "results", "results_per_address", "result_age", "sessions",
+                    "sessions_per_address", "session_age", "file_age"):
             if getattr(self, key) <= 0:  # a zero limit or timeout would refuse or drop every request
                 raise ValueError(f"serve.{key}={getattr(self, key)}: expected a number > 0")
 
@@ -160,6 +165,7 @@ def main(cfg: DictConfig) -> None:
           f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
           flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
+    freeze_startup_heap()  # the model, torch and Gradio: out of the collector's full passes
     serve = cfg.serve
     launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(**{
         key: serve[key] for key in HttpLimits.__dataclass_fields__}))

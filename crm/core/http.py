@@ -227,16 +227,22 @@ class BodyLimit:
                 check_shape(body, self.json_depth, self.json_values)
             except JsonShapeError as exc:
                 return await refuse(scope, send, 400, f"{exc}: refused")
-        delivered = False
+        await self.app(scope, replayed(body, receive), send)
 
-        async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the disconnect, when it comes
 
-        await self.app(scope, replay, send)
+def replayed(body: bytes, receive):
+    """An ASGI receive that gives `body` whole as the first message, then what `receive` gives
+    (the disconnect, when it comes): a request read by a guard, handed on as it came."""
+    delivered = False
+
+    async def replay():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _client(scope) -> str:

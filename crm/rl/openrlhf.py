@@ -63,7 +63,7 @@ import uvicorn
 
 from crm.core.errors import excerpt
 from crm.core.json_shape import JsonShapeError, check_shape
-from crm.core.heap import return_free_memory
+from crm.core.heap import freeze_startup_heap, return_free_memory
 from crm.core.http import BodyTooLarge, read_body, send_json, server_config
 from crm.inference.reward import CRMReward, CRMRewardError
 from crm.rl.batching import MicroBatcher
@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"crm.rl.openrlhf: {reward.strategy} rewards from {args.checkpoint} on "
           f"{server.url}", flush=True)
+    freeze_startup_heap()
     try:
         server.serve_forever()
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again

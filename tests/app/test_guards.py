@@ -1,11 +1,14 @@
 """crm/app/guards.py in process, on a fake ASGI app: an event stream ended at its lifetime with a
 whole answer, the stream counts freed, the upload route taking one small file and the progress
-route closed. (Through the real server: tests/app/test_usl_app.py.)"""
+route closed, sessions bounded per address and in all and forgotten when idle. (Through the real
+server: tests/app/test_usl_app.py; the sessions on Gradio's own store: tests/app/test_usl.py.)"""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
-from crm.app.guards import ServingGuard
+from crm.app.guards import ServingGuard, SessionGuard, Sessions
 
 
 async def endless_stream(scope, receive, send) -> None:
@@ -84,3 +87,56 @@ def test_the_upload_route_takes_one_small_file_and_nothing_past_the_files_held(t
     assert len(reached) == 1
     sent = call(guard, "/gradio_api/upload_progress")
     assert sent[0]["status"] == 404
+
+
+def test_sessions_are_bounded_per_address_and_in_all_and_expire_unless_in_use():
+    sessions = Sessions(per_address=2, total=3, idle=0.2)
+    assert sessions.admit("a1", "10.0.0.1") is None and sessions.admit("a2", "10.0.0.1") is None
+    assert "too many sessions (2 from 10.0.0.1, 2 in all" in sessions.admit("a3", "10.0.0.1")
+    assert sessions.admit("a1", "10.0.0.1") is None  # a known session is used again
+    assert sessions.admit("b1", "10.0.0.2") is None
+    assert "(0 from 10.0.0.3, 3 in all; at most 2 and 3)" in sessions.admit("c1", "10.0.0.3")
+    sessions.streaming["a1"] += 1  # its heartbeat open: kept past its idle time
+    time.sleep(0.25)
+    assert sessions.admit("c1", "10.0.0.3") is None
+    assert set(sessions.known) == {"a1", "c1"}
+    assert dict(sessions.by_address) == {"10.0.0.1": 1, "10.0.0.3": 1}
+
+
+def test_a_request_naming_a_session_past_the_bounds_is_refused_before_the_app():
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = SessionGuard(app, Sessions(per_address=1, total=8))
+
+    def post(body: bytes, path: str = "/gradio_api/queue/join") -> list:
+        sent, chunks = [], [body[:5], body[5:]]
+
+        async def receive():
+            chunk = chunks.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "client": ("10.0.0.1", 5),
+                 "headers": []}
+        asyncio.run(asyncio.wait_for(guard(scope, receive, send), 10))
+        return sent
+
+    first = json.dumps({"data": [], "fn_index": 1, "session_hash": "s1"}).encode()
+    assert post(first)[0]["status"] == 200 and reached == [first]  # handed on whole
+    second = json.dumps({"data": [], "session_hash": "s2"}).encode()
+    for path in ("/gradio_api/queue/join", "/gradio_api/run/predict", "/gradio_api/call/rank"):
+        sent = post(second, path)
+        assert sent[0]["status"] == 429 and b"too many sessions (1 from 10.0.0.1" in sent[1]["body"]
+        assert sent[1]["body"].count(b"\n") == 0
+    sent = post(json.dumps({"data": [], "session_hash": "s" * 129}).encode())
+    assert sent[0]["status"] == 400 and b"a session id of 129 characters" in sent[1]["body"]
+    for body in (first, b'{"data": ["no session"]}', b"not json"):  # Gradio's to answer
+        assert post(body)[0]["status"] == 200
+    assert len(reached) == 4

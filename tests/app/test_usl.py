@@ -324,6 +324,92 @@ def test_the_default_board_ranks_under_the_generic_criterion(tmp_path):
     assert [r["rank"] for r in doc["rows"]] == [1, 2, 3]
 
 
+# -- the page served in process: Gradio's sessions ------------------------------------------------
+
+def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
+    """The page served as crm-usl serves it (launch), on a free port: an API call's own session
+    is forgotten once its result is read; a queued handler is not run past the queue (Gradio's
+    REST route refuses it); a handler or API the page lacks is a one-line 400 or 404; the sessions a page's requests name are at most
+    serve.sessions_per_address from one address (a one-line 429 past them, a known one still
+    served), and one idle serve.session_age seconds is forgotten with what Gradio held of it.
+    Gradio's own session store (its state per session) is read directly."""
+    import httpx
+    from helpers import free_port
+
+    from crm.app.page import HttpLimits, build, default_board, launch
+
+    lb = service(tmp_path)
+    page = build(lb, default_board(lb))
+    port = free_port()
+    server = launch(page, "127.0.0.1", port, block=False,
+                    limits=HttpLimits(sessions_per_address=3, session_age=1.0))
+    url = f"http://127.0.0.1:{port}/gradio_api"
+    queue, held = page._queue, page.state_holder.session_data
+
+    def settles(condition) -> bool:
+        """The server's thread finishes a request after its client has the answer."""
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return condition()
+
+    try:
+        with httpx.Client(timeout=30) as http:
+            for _ in range(4):
+                event = http.post(f"{url}/call/rank", json={"data": ["be brief", []]})
+                result = http.get(f"{url}/call/rank/{event.json()['event_id']}")
+                assert "event: complete" in result.text, result.text
+            assert settles(lambda: not held and not queue.pending_messages_per_session)  # kept: 4
+
+            drill = next(f._id for f in page.fns.values() if f.name == "drill")
+
+            def join(session: str) -> httpx.Response:
+                return http.post(f"{url}/queue/join", json={
+                    "data": [None, None], "fn_index": drill, "session_hash": session})
+
+            direct = http.post(f"{url}/run/predict", json={"data": [None, None], "fn_index": drill})
+            assert direct.status_code == 404 and "join the queue" in direct.text  # not past it
+            for route, body, status, message in [  # Gradio: 500 and a traceback in the log
+                    ("run/predict", {"data": [], "fn_index": 999}, 400, "no handler 999"),
+                    ("queue/join", {"data": [], "fn_index": "x", "session_hash": "z"}, 400,
+                     "no handler 'x'"),
+                    ("call/nosuch", {"data": []}, 404, "no API named 'nosuch'")]:
+                wrong = http.post(f"{url}/{route}", json=body)
+                assert wrong.status_code == status and message in wrong.json()["detail"], wrong.text
+            assert [join(f"s{i}").status_code for i in range(3)] == [200] * 3
+            assert join("s0").status_code == 200  # a known session: used again
+            refused = join("s3")
+            assert refused.status_code == 429, refused.text
+            assert "too many sessions (3 from 127.0.0.1" in refused.json()["detail"]
+            assert set(held) == {"s0", "s1", "s2"}
+            assert settles(lambda: not queue.event_ids_to_events)  # a running one's is kept
+            time.sleep(1.2)  # idle past serve.session_age
+            assert join("s3").status_code == 200
+            assert set(held) == {"s3"} and set(queue.pending_messages_per_session) == {"s3"}
+    finally:
+        server.stop()
+
+
+def test_gradios_empty_leftovers_are_removed_once_old_enough(tmp_path):
+    """What Gradio leaves in its folder once it has deleted a file it kept: the file's directory,
+    and its multipart parser's empty `tmp*` file; nothing newer, nothing with content."""
+    import os
+
+    from crm.app.page import remove_empty
+
+    old = time.time() - 100
+    for name in ("old-dir", "fresh-dir", "full-dir"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "full-dir" / "leaderboard.csv").write_text("a,b\n")
+    for name, text in (("tmpold", ""), ("tmpfresh", ""), ("tmpfull", "x"), ("notes", "")):
+        (tmp_path / name).write_text(text)
+    for name in ("old-dir", "full-dir", "tmpold", "tmpfull", "notes"):
+        os.utime(tmp_path / name, (old, old))
+    remove_empty(tmp_path, until=time.time() - 50)
+    assert {p.name for p in tmp_path.iterdir()} == {"fresh-dir", "full-dir", "tmpfresh",
+                                                    "tmpfull", "notes"}
+
+
 # -- the command ----------------------------------------------------------------------------------
 
 def test_crm_usl_serves_the_demo_by_default_and_says_how_to_make_it(tmp_path, monkeypatch):

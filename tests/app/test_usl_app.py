@@ -88,8 +88,9 @@ def app(tmp_path_factory):
     output = log.read_text()
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    # the per-board CSVs and Gradio's files (downloads, uploads) are deleted at exit
-    assert not [p for path in temp.values() for p in path.rglob("*") if p.is_file()]
+    # the per-board CSVs and Gradio's files and directories (downloads, uploads) are deleted at
+    # exit
+    assert not [p for path in temp.values() for p in path.rglob("*")]
 
 
 # -- the API --------------------------------------------------------------------------------------
@@ -353,8 +354,8 @@ def test_the_page_shows_bad_input_as_text(app, page):
 def test_the_http_layer_refuses_a_50mb_body_and_any_upload_but_the_votes_file(app):
     """A 50 MB body is refused (413) from its Content-Length, before a byte of it is read; the
     upload route takes the page's one upload, the votes file: a file over max_upload (16 KiB) or
-    several files in a request get a one-line 413 and nothing is written; upload progress is
-    closed (404)."""
+    several files in a request get a one-line 413 and nothing is written; upload progress and
+    component server functions (which the page does not use) are closed (404)."""
     head = (f"POST /gradio_api/call/rank HTTP/1.1\r\nHost: {urlsplit(app['url']).netloc}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {50 * 2**20}\r\n\r\n").encode()
     t0 = time.perf_counter()
@@ -375,6 +376,9 @@ def test_the_http_layer_refuses_a_50mb_body_and_any_upload_but_the_votes_file(ap
         assert upload.status_code == 413 and "takes one file" in upload.json()["detail"]
     progress = httpx.get(f"{app['url']}/gradio_api/upload_progress", timeout=30)
     assert progress.status_code == 404
+    component = httpx.post(f"{app['url']}/gradio_api/component_server", timeout=30, json={
+        "data": None, "component_id": 1, "fn_name": "ls", "session_hash": "made-up"})
+    assert component.status_code == 404 and "does not use it" in component.json()["detail"]
     assert not {p for p in files() - before if p.name != "leaderboard.csv"}  # boards' downloads only
 
 
