@@ -329,9 +329,10 @@ def test_the_default_board_ranks_under_the_generic_criterion(tmp_path):
 def test_gradio_sessions_are_bounded_and_forgotten(tmp_path):
     """The page served as crm-usl serves it (launch), on a free port: an API call's own session
     is forgotten once its result is read; a queued handler is not run past the queue (Gradio's
-    REST route refuses it); a handler or API the page lacks is a one-line 400 or 404; the sessions a page's requests name are at most
-    serve.sessions_per_address from one address (a one-line 429 past them, a known one still
-    served), and one idle serve.session_age seconds is forgotten with what Gradio held of it.
+    REST route refuses it); a handler or API the page lacks is a one-line 400 or 404; the sessions
+    a page's requests name are at most serve.sessions_per_address from one address (a one-line
+    429 past them, a known one still served), and one idle serve.session_age seconds is
+    forgotten with what Gradio held of it.
     Gradio's own session store (its state per session) is read directly."""
     import httpx
     from helpers import free_port
