@@ -28,7 +28,7 @@ from scorers import export_tiny, run_cli
 from crm.core.errors import ConfigError
 from crm.evaluation.leaderboard import pairs, select
 from crm.inference.engine import (BlockFailed, EngineConfig, RayScorer, ScorerLoader, WorkerPool,
-                                  checkpoint_identity, plan_blocks)
+                                  checkpoint_identity, pair_blocks, plan_blocks)
 
 ray = pytest.importorskip("ray", reason="engine=ray needs ray (pip install -e '.[ray]')")
 
@@ -123,6 +123,9 @@ def test_a_block_holds_whole_prompt_groups_in_first_seen_order():
     blocks = plan_blocks(keys, 1)
     assert sorted(i for b in blocks for i in b) == list(range(len(keys)))
     assert all(len({keys[i] for i in b}) == 1 for b in blocks)
+    # With row lengths: groups of longer rows first, so a block's rows are of like length.
+    lengths = [10, 50, 10, 5, 70, 20, 20]  # q1: 10, q2: 60 on average, q3: 5, q4: 20, q5: 20
+    assert plan_blocks(keys, 2, lengths) == [[1, 4, 5], [6, 0, 2], [3]]
 
 
 # -- equal to engine=local -------------------------------------------------------------------------
@@ -319,11 +322,16 @@ def test_a_block_that_keeps_killing_its_worker_stops_the_job_naming_its_rows(
     scorer = ray_scorer(pool, pairwise_export, tmp_path / "run",
                         config=replace(TWO_WORKERS, block_attempts=2))
     task = tmp_path / "run" / "blocks" / "001-pairs"
-    with pytest.raises(BlockFailed, match=f"001-pairs: block 3 \\(8 rows: {re.escape(examples[-8].key)}"
-                                          ".* and 3 more\\) killed its worker 2 times.*its rows are "
-                                          f"not scored, the job stops; the rows: {task}"):
+    # the block of the last example: its prompt group's rows
+    block, rows = next((b, rows) for b, rows in enumerate(pair_blocks(examples, 1))
+                       if len(examples) - 1 in rows)
+    keys = [examples[i].key for i in rows]
+    with pytest.raises(BlockFailed, match=f"001-pairs: block {block} \\({len(keys)} rows: "
+                                          f"{re.escape(keys[0])}.* and {len(keys) - 5} more\\) killed "
+                                          "its worker 2 times.*its rows are not scored, the job stops; "
+                                          f"the rows: {task}"):
         scorer.pair_probabilities(examples)
-    assert not (task / "000003.npz").exists()
-    failed = json.loads((task / "failed-000003.json").read_text())
-    assert failed["rows"] == [e.key for e in examples[-8:]] and failed["deaths"] == 2
+    assert not (task / f"{block:06d}.npz").exists()
+    failed = json.loads((task / f"failed-{block:06d}.json").read_text())
+    assert failed["rows"] == keys and failed["deaths"] == 2
 
