@@ -48,7 +48,8 @@ def _shard(args) -> int:
     for path in args.files:
         _check_text(path)
     manifest = shard(args.files, args.out_dir, val_fraction=args.val_fraction,
-                     shard_size=args.shard_size, seed=args.seed, fmt=args.format)
+                     shard_size=args.shard_size, seed=args.seed, fmt=args.format,
+                     overwrite=args.overwrite)
     c = manifest["counts"]
     _print_rejects(Path(args.out_dir) / manifest["rejects"])
     for split, info in manifest["splits"].items():
@@ -191,6 +192,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-size", type=int, default=5000, help="most records in one shard")
     s.add_argument("--seed", type=int, default=0, help="seeds the split and the order in shards")
     s.add_argument("--strict", action="store_true", help="exit 1 when any line is rejected")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR's shards of other inputs, or another command's "
+                        "rejects.jsonl there (refused without it)")
     s.add_argument("--format", choices=("train", "test"),
                    help="the files' format (test = the README's criteria + preference); "
                         "default: detected per file")

@@ -3,6 +3,7 @@
 below: each group and section is the dataclass of the code that reads it (crm/cli/common.py)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -226,10 +227,30 @@ def train(cfg: DictConfig) -> dict | None:
                     metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
                                                              trainer.global_step)
         metrics["wall_seconds"] = round(time.time() - started, 1)
+        keep_earlier_figures(metrics["train"], run_dir / "metrics.json")
         write_json(run_dir / "metrics.json", metrics)
         return metrics
     finally:
         callbacks["preemption"].release()
+
+
+def keep_earlier_figures(train: dict, earlier: Path) -> None:
+    """A finished run re-run resumes at its last step and trains none, so its throughput and
+    memory figures are empty: the process that trained to this step measured them, and they are
+    kept (`figures_from` says so) rather than replaced by nothing."""
+    if not earlier.is_file():
+        return
+    try:
+        before = json.loads(earlier.read_text(encoding="utf-8")).get("train") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    if before.get("global_step") != train["global_step"]:
+        return
+    kept = [key for key in ("throughput", "per_rank_memory") if not train[key] and before.get(key)]
+    for key in kept:
+        train[key] = before[key]
+    if kept:
+        train["figures_from"] = before.get("figures_from") or "an earlier process (this one trained no step)"
 
 
 def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger, step: int) -> dict:

@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+from crm.core.errors import ConfigError
+
 
 def write_json(path: str | Path, obj) -> Path:
     """`obj` as indented UTF-8 JSON at `path`, via a temporary file: a reader (another rank, a
@@ -35,3 +37,30 @@ def _written(path: Path) -> int:
         return path.stat().st_mtime_ns
     except FileNotFoundError:  # deleted by a concurrent write
         return 0
+
+
+def refuse_replacing(path: str | Path, inputs: dict, earlier_inputs, allow: str) -> None:
+    """Results an earlier run wrote at `path` (a JSON document) are replaced only by a run of the
+    same inputs. `inputs` names this run's (checkpoint, data files, ...); `earlier_inputs` reads
+    the same keys from the earlier document. A key that differs is a ConfigError naming both
+    values and `allow`, the flag that lets this run write elsewhere or replace them: a researcher
+    re-running a command by habit must not lose another run's results without a word."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        before = None
+    earlier = earlier_inputs(before) if isinstance(before, dict) else {}
+    differ = [key for key, value in inputs.items() if earlier.get(key) != value]
+    if differ:
+        theirs = ", ".join(f"{k}={_shown(earlier.get(k))}" for k in differ)
+        ours = ", ".join(f"{k}={_shown(inputs[k])}" for k in differ)
+        raise ConfigError(f"{path.parent} holds the results of {theirs} (this run: {ours}): {allow}")
+
+
+def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, make_records, train_dict, write_shard_dir
+from helpers import free_port, make_records, refused, train_dict, write_shard_dir
 from vote_files import arena_55k_row, write_csv, write_parquet
 
 import crm.cli.eval
@@ -28,19 +28,6 @@ from crm.models.backbone import is_flash_attn_2_available
 BIN = Path(sys.executable).parent
 BENCH = [{"idx": str(i), "topic": ("cooking", "travel")[i % 2], "prompt": f"q{i}",
           "responses": {"base": f"b{i}", "other": f"o{i}"}} for i in range(4)]
-
-
-def refused(capsys, monkeypatch, main, *argv: str) -> str:
-    """`main()` as the console script `argv[0]` runs it: exit 2, one stderr line naming the
-    command, no traceback; returns that line."""
-    monkeypatch.setattr(sys, "argv", list(argv))
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert exit_info.value.code == 2, err
-    assert len(lines) == 1 and lines[0].startswith(f"{argv[0]}: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -296,9 +283,9 @@ def test_crm_eval_keeps_another_runs_results_and_its_bars_off_a_log(root, capsys
     (taken / "metrics.json").write_text(json.dumps({"model": "outputs/a/export", "files": {}}))
     line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval", f"checkpoint={root}",
                    f"data.test=[{test}]")
-    assert line == (f"crm-eval: {taken} holds the results of checkpoint=outputs/a/export on other "
-                    "files, another benchmark or another checkpoint: give this evaluation its own "
-                    "name= (name=default is taken)")
+    assert line == (f"crm-eval: {taken} holds the results of checkpoint=outputs/a/export, "
+                    f"data.test=[] (this run: checkpoint={root}, data.test=[{test}]): give this "
+                    "evaluation its own name= (name=default is taken)")
     asked = {}
     monkeypatch.setattr(CRMScorer, "load", lambda path, **kwargs: asked.update(kwargs))
     load_scorer(ScorerSettings(checkpoint=str(root), batch_size=1, device="cpu", dtype="auto",

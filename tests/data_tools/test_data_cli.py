@@ -309,7 +309,8 @@ def test_shard_rerun_with_fewer_records_leaves_no_stale_shards(tmp_path, mixed, 
     many = tar_files(out)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(dumps(train_obj(i)) + "\n" for i in range(5)), encoding="utf-8")
-    assert run(capsys, "shard", small, out, "--val-fraction", "0.3", "--shard-size", "3")[0] == 0
+    assert run(capsys, "shard", small, out, "--val-fraction", "0.3", "--shard-size", "3",
+               "--overwrite")[0] == 0
     manifest = json.loads((out / "manifest.json").read_text())
     listed = {s["url"] for info in manifest["splits"].values() for s in info["shards"]}
     assert tar_files(out) == listed
