@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from crm.core.records import FORMATS, RecordError, read_lines
+from crm.core.records import (FORMATS, RecordError, line_format, open_data, read_lines,
+                              whole_document)
 
 REJECTS_NAME = "rejects.jsonl"
 
@@ -24,6 +25,7 @@ def _demo(args) -> int:
 def _validate(args) -> int:
     """Each distinct defect (field and reason) once, at its first line, with how many lines share
     it and where: a file missing one field on every line is one line of output, not thousands."""
+    _check_text(args.file)
     good = bad = 0
     same: dict[tuple[str, str], list[RecordError]] = {}
     for line in read_lines(args.file, args.format):
@@ -66,19 +68,53 @@ def _shard(args) -> int:
 
 
 def _check_text(path: str) -> None:
-    """A file that is not JSONL text at all (Parquet, a binary, another encoding) is one error,
-    not a reject per line of bytes: its start shows it."""
-    with open(path, "rb") as handle:
+    """A file that is not JSONL text at all (Parquet, a binary, another encoding, a README caught
+    by a glob, votes that have no criteria yet) is one error saying what to do, not a reject per
+    line: its start shows it. A directory is refused with its data files named. gzip is read."""
+    if Path(path).is_dir():
+        data = sorted(p.name for p in Path(path).iterdir()
+                      if p.name.endswith((".jsonl", ".jsonl.gz")) and p.name != REJECTS_NAME)
+        what = (f"give its data files ({', '.join(data[:5])}{', ...' if len(data) > 5 else ''}: "
+                f"{Path(path) / '*.jsonl'})" if data else "it holds no .jsonl file")
+        raise ValueError(f"{path}: a directory, not a JSONL file: {what}")
+    with open_data(path) as handle:
         head = handle.read(1 << 16)
     if head.startswith(b"PAR1"):
         raise ValueError(f"{path}: a Parquet file, not JSONL (votes in Parquet go to `crm-data "
                          "criteria`; records: write them as JSON lines)")
     try:
-        head.decode("utf-8")
+        text = head.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         if exc.start < len(head) - 3:  # not a character cut at the end of the sample
             raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}): crm-data shard reads "
                              "JSONL files") from None
+        text = head[:exc.start].decode("utf-8-sig")
+    lines = text.splitlines()
+    number, first = next(((n, line.strip()) for n, line in enumerate(lines, start=1)
+                          if line.strip()), (0, ""))
+    if not first or (number == len(lines) and len(head) == 1 << 16):
+        return  # empty, or a first line longer than the sample: read_lines judges it
+    document = whole_document(first)
+    if document:  # read_lines would say it too, after OUT_DIR is made
+        raise ValueError(f"{path}:{number}: {document}")
+    try:
+        obj = json.loads(first)
+    except (ValueError, RecursionError):
+        if first[0] in "[{":
+            return  # a JSON document or a broken line: read_lines says which
+        hint = ("votes in CSV go to `crm-data criteria`" if path.endswith(".csv") else
+                "crm-data shard reads JSONL files (a README or notes caught by a glob? give the "
+                ".jsonl files only)")
+        raise ValueError(f"{path}:{number}: not JSON lines (the line reads {first[:40]!r}): "
+                         f"{hint}") from None
+    if line_format(obj) is None and isinstance(obj, dict):
+        from data_tools.votes import vote_format
+
+        votes = vote_format(obj)
+        if votes:
+            raise ValueError(f"{path}:{number}: votes ({votes} format), not training records: "
+                             f"`crm-data criteria {path} OUT_DIR --base-url URL --model NAME` "
+                             "writes the criteria under which each side wins (docs/DATA_PIPELINE.md)")
 
 
 def _print_rejects(path: Path, most: int = 20) -> None:

@@ -75,6 +75,10 @@ def markdown(result: dict) -> str:
                      and result["both_orders"] is not True else "")]
         if slot_note(board):
             lines.append(f"**{slot_note(board)}**")
+        if board.get("unscorable"):
+            u = board["unscorable"]
+            lines.append(f"**{u['queries']} queries left out for every model: {u['pairs']} pairs "
+                         f"cannot fit the CRM's tokens (first: {', '.join(u['first'])})**")
         lines.append("")
         head = (["Rank", "Rank (UB)", "Rank set", "Model", "Overall", f"{100 * level:.0f}% CI"]
                 + (["Votes"] if board.get("interval_method") == "ppi" else [])

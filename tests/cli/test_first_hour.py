@@ -288,6 +288,7 @@ def test_crm_eval_keeps_another_runs_results_and_its_bars_off_a_log(root, capsys
                     "evaluation its own name= (name=default is taken)")
     asked = {}
     monkeypatch.setattr(CRMScorer, "load", lambda path, **kwargs: asked.update(kwargs))
+    (root / "crm.json").write_text("{}")  # an export dir, as far as the check before loading goes
     load_scorer(ScorerSettings(checkpoint=str(root), batch_size=1, device="cpu", dtype="auto",
                                compile=False, prefix_reuse=True, progress=True))
     assert asked["progress"] is False  # stderr is no terminal here: a bar would garble the table

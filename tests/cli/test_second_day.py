@@ -13,9 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import train_dict
+from helpers import refused, train_dict
 
+import crm.cli.eval
+import crm.cli.leaderboard
 from crm.cli.train import keep_earlier_figures
+from data_tools.cli import main as crm_data
 
 BIN = Path(sys.executable).parent
 BENCH = [{"idx": str(i), "topic": "cooking", "prompt": f"q{i}",
@@ -92,3 +95,82 @@ def test_a_finished_run_rerun_keeps_the_figures_of_the_process_that_trained(tmp_
     longer = {"global_step": 12, "throughput": {}, "per_rank_memory": []}
     keep_earlier_figures(longer, earlier)  # a run extended past the earlier one measured anew
     assert longer == {"global_step": 12, "throughput": {}, "per_rank_memory": []}
+
+
+# -- item 3: each mistake one line saying what to do ----------------------------------------------
+
+def test_crm_data_shard_names_what_it_was_given_instead_of_json_lines(tmp_path, capsys):
+    records = [train_dict(f"k{i}") for i in range(4)]
+    votes = write_jsonl(tmp_path / "votes.jsonl", [
+        {"prompt": "q", "chosen": [{"role": "user", "content": "q"}], "rejected": []}] * 3)
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps(records, indent=2))
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", records)
+    (folder / "README.md").write_text("# my data\n\nfour records\n")
+    out = str(tmp_path / "shards")
+    expected = {
+        str(votes): f"crm-data shard: {votes}:1: votes (chosen-rejected format), not training "
+                    f"records: `crm-data criteria {votes} OUT_DIR --base-url URL --model NAME` "
+                    "writes the criteria under which each side wins (docs/DATA_PIPELINE.md)",
+        str(pretty): f"crm-data shard: {pretty}:1: a JSON array, not JSON lines: write one JSON "
+                     "object per line (`jq -c '.[]' FILE > FILE.jsonl` converts an array)",
+        str(folder): f"crm-data shard: {folder}: a directory, not a JSONL file: give its data "
+                     f"files (a.jsonl: {folder / '*.jsonl'})",
+        str(folder / "README.md"): f"crm-data shard: {folder / 'README.md'}:1: not JSON lines (the "
+                                   "line reads '# my data'): crm-data shard reads JSONL files (a "
+                                   "README or notes caught by a glob? give the .jsonl files only)",
+    }
+    for given, line in expected.items():
+        assert crm_data(["shard", given, out]) == 2, given
+        assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert not Path(out).exists()
+
+
+def test_a_gzip_file_is_read_as_its_lines(tmp_path, capsys):
+    import gzip
+
+    packed = tmp_path / "mine.jsonl.gz"
+    with gzip.open(packed, "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(train_dict(f"k{i}")) + "\n" for i in range(5))
+    assert crm_data(["validate", str(packed)]) == 0
+    assert crm_data(["shard", str(packed), str(tmp_path / "shards"), "--val-fraction", "0"]) == 0
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["counts"] == {"read": 5, "written": 5, "rejected": 0}
+
+
+def test_crm_eval_says_which_path_to_give_and_what_a_test_file_holds(root, capsys, monkeypatch):
+    run_dir = root / "outputs" / "mine"
+    (run_dir / "export").mkdir(parents=True)
+    (run_dir / "export" / "crm.json").write_text("{}")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    test = write_jsonl(root / "test.jsonl", [{"idx": 0, "prompt": "q", "criteria": ["short"],
+                                              "preference": "model_a",
+                                              **{k: train_dict("k")[k] for k in ("model_a", "model_b")}}])
+    for given, what in ((run_dir, "a run dir"), (run_dir / "checkpoints", "a run's checkpoints dir")):
+        line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval", f"checkpoint={given}",
+                       f"data.test=[{test}]", f"name=n{len(what)}")
+        assert line == (f"crm-eval: checkpoint={given}: {what}, not a checkpoint: give "
+                        f"checkpoint={run_dir / 'export'} (the export of the best checkpoint) or "
+                        f"checkpoint={run_dir / 'checkpoints' / 'last.ckpt'}")
+    training = write_jsonl(root / "train.jsonl", [train_dict("k0")])
+    line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval",
+                   f"checkpoint={run_dir / 'export'}", f"data.test=[{training}]")
+    assert line == (f"crm-eval: {training}:1: a train-format record where test-format records "
+                    "are wanted (the README format: idx, prompt, model_a, model_b, criteria, "
+                    "preference; docs/DESIGN.md section 3.1): this file is not one")
+
+
+def test_a_run_dir_that_cannot_be_made_under_crm_root_is_one_line(tmp_path, capsys, monkeypatch):
+    """Hydra makes the run dir before the command starts: a CRM_ROOT under a file (as root in a
+    container no directory is unwritable) is a setup error, not a traceback."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    monkeypatch.setenv("CRM_ROOT", str(a_file / "runs"))
+    line = refused(capsys, monkeypatch, crm.cli.leaderboard.main, "crm-leaderboard",
+                   f"checkpoint={tmp_path}", f"bench={tmp_path}", "criteria=[short]")
+    assert line.startswith(f"crm-leaderboard: {a_file / 'runs'}")
+    assert line.endswith(f": the run dir cannot be made under CRM_ROOT={a_file / 'runs'}: set "
+                         "CRM_ROOT (or hydra.run.dir=) to a directory you can write")

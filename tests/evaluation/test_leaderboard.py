@@ -19,6 +19,7 @@ from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE
                              bootstrap_intervals, judge, kendall_tau, leaderboard,
                              rank_upper_bounds, select, win_rates)
 from crm.evaluation.render import interval, markdown, plot
+from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_B
 
 
@@ -275,6 +276,29 @@ def test_a_pair_too_long_to_fit_is_an_error_that_names_it(tmp_path):
         bench_line(0, "t", {"base": "alpha", "m1": "beta", "m2": turns})])
     with pytest.raises(ValueError, match="1 pairs .* cannot fit in 300 tokens .*: 0/m2$"):
         judge(tiny_scorer(max_tokens=300), select(path, "base"), ["concise answer"])
+
+
+def test_a_board_leaves_out_a_query_too_long_to_fit_for_every_model_and_counts_it(tmp_path):
+    """crm-leaderboard's board: counted unscorable (as crm-eval counts a test pair), the query
+    left out for every model so all are ranked on the same examples; none fitting is one line."""
+    turns = [{"role": "user", "content": "question 0"}]
+    turns += [{"role": r, "content": "beta reply " * 20} for _ in range(20)
+              for r in ("assistant", "user")][:-1]
+    path = write_bench(tmp_path / "bench.jsonl", [
+        bench_line(0, "t", {"base": "alpha", "m1": "beta", "m2": turns}),
+        bench_line(1, "t", {"base": "alpha", "m1": "beta", "m2": "beta two"})])
+    scorer = tiny_scorer(max_tokens=300)
+    doc = leaderboard(scorer, select(path, "base"), ["concise answer"])
+    (board,) = doc["boards"]
+    assert board["unscorable"] == {"pairs": 1, "queries": 1, "first": ["0/m2"]}
+    assert [r["overall"]["n"] for r in board["rows"]] == [1, 1]
+    assert ("1 queries left out for every model: 1 pairs cannot fit the CRM's tokens (first: 0/m2)"
+            in markdown(doc))
+    only_long = write_bench(tmp_path / "long.jsonl", [
+        bench_line(0, "t", {"base": "alpha", "m1": turns, "m2": turns})])
+    with pytest.raises(ConfigError, match="no benchmark query fits in 300 tokens under the "
+                                          "criteria criteria.*: shorten the criteria$"):
+        leaderboard(scorer, select(only_long, "base"), ["concise answer"])
 
 
 def test_a_pointwise_model_scores_each_baseline_response_once(tmp_path):
