@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -15,9 +16,22 @@ def write_json(path: str | Path, obj) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(finite(obj), indent=1, ensure_ascii=False, allow_nan=False) + "\n",
+                   encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def finite(obj):
+    """`obj` with NaN and infinities as None: Python writes them as NaN and Infinity, which is not
+    JSON and most parsers refuse. A figure that can be undefined says why beside its null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def write_kept(content: str, directory: Path, name: str, keep: int) -> Path:

@@ -373,7 +373,16 @@ def kendall_tau(rows_a: list[dict], rows_b: list[dict]) -> dict:
 
     rank_b = {r["model"]: r["rank"] for r in rows_b}
     models = [r["model"] for r in rows_a]
-    tau, p_value = kendalltau([r["rank"] for r in rows_a], [rank_b[m] for m in models])
+    ranks_a, ranks_b = [r["rank"] for r in rows_a], [rank_b[m] for m in models]
+    # Undefined (NaN, which JSON has no word for) with fewer than two models or one ranking
+    # all ties: null, and the reason.
+    if len(models) < 2:
+        return {"tau": None, "p_value": None, "models": len(models),
+                "reason": "one model: no order to compare"}
+    if len(set(ranks_a)) < 2 or len(set(ranks_b)) < 2:
+        return {"tau": None, "p_value": None, "models": len(models),
+                "reason": "every model tied in one ranking: no order to compare"}
+    tau, p_value = kendalltau(ranks_a, ranks_b)
     return {"tau": round(float(tau), 4), "p_value": float(p_value), "models": len(models)}
 
 

@@ -99,7 +99,8 @@ def markdown(result: dict) -> str:
     if "kendall_tau" in result:
         k = result["kendall_tau"]
         lines += ["", f"Kendall tau between the two rankings: **{k['tau']:+.3f}** "
-                      f"(p = {k['p_value']:.2g}, {k['models']} models)"]
+                      f"(p = {k['p_value']:.2g}, {k['models']} models)" if k["tau"] is not None
+                  else f"Kendall tau between the two rankings: none ({k['reason']})"]
     if result["rejects"]:
         lines += ["", f"Rejected benchmark lines ({len(result['rejects'])}):"]
         lines += [f"- {r['file']}:{r['line']}: {r['field']}: {r['reason']}"
@@ -191,7 +192,8 @@ def plot(result: dict, path: str | Path) -> Path:
         ax.set_yticks([])
         ax.spines[["top", "right", "left"]].set_visible(False)
         tau = result["kendall_tau"]["tau"]
-        ax.set_title(f"rank under each criteria set\nKendall tau = {tau:+.2f}", fontsize=10,
+        ax.set_title("rank under each criteria set\nKendall tau = "
+                     + (f"{tau:+.2f}" if tau is not None else "none"), fontsize=10,
                      fontweight="bold")
     counts = result["examples"]
     fig.suptitle(f"User-centric leaderboard: win rate against {result['baseline']} "

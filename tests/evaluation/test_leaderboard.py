@@ -146,6 +146,21 @@ def test_kendall_tau_of_identical_and_reversed_rankings():
     assert kendall_tau(rows, one_swap)["tau"] == round(4 / 6, 4)  # (5 - 1) / 6 pairs
 
 
+def test_an_undefined_kendall_tau_is_null_with_its_reason_and_json_holds_no_nan(tmp_path):
+    """One model (or a ranking all ties) has no order: scipy's NaN would make leaderboard.json
+    invalid JSON for most parsers."""
+    from crm.core.files import write_json
+
+    alone = kendall_tau([{"model": "a", "rank": 1}], [{"model": "a", "rank": 1}])
+    assert alone == {"tau": None, "p_value": None, "models": 1,
+                     "reason": "one model: no order to compare"}
+    tied = [{"model": m, "rank": 1} for m in "ab"]
+    assert kendall_tau(tied, [{"model": "a", "rank": 1}, {"model": "b", "rank": 2}])["tau"] is None
+    written = write_json(tmp_path / "doc.json", {"tau": float("nan"), "rows": [float("inf"), 0.5]})
+    assert json.loads(written.read_text()) == {"tau": None, "rows": [None, 0.5]}
+    assert "NaN" not in written.read_text() and "Infinity" not in written.read_text()
+
+
 # -- selecting benchmark lines --------------------------------------------------------------------
 
 def test_topic_selection_counts_the_lines_left_out(tmp_path):
