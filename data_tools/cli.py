@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from crm.core.records import (FORMATS, RecordError, line_format, open_data, read_lines,
+from crm.core.records import (FORMATS, RecordError, fingerprint, line_format, open_data, read_lines,
                               whole_document)
 
 REJECTS_NAME = "rejects.jsonl"
@@ -26,21 +26,29 @@ def _validate(args) -> int:
     """Each distinct defect (field and reason) once, at its first line, with how many lines share
     it and where: a file missing one field on every line is one line of output, not thousands."""
     _check_text(args.file)
-    good = bad = 0
+    good = bad = duplicates = 0
     same: dict[tuple[str, str], list[RecordError]] = {}
+    first_line: dict[bytes, int] = {}
     for line in read_lines(args.file, args.format):
         if line.error:
             bad += 1
             same.setdefault((line.error.field, line.error.reason), []).append(line.error)
-        else:
-            good += 1
+            continue
+        good += 1
+        first = first_line.setdefault(fingerprint(json.loads(line.text)), line.number)
+        if first != line.number:  # valid, and said: a duplicate is not a defect, but rarely meant
+            duplicates += 1
+            same.setdefault(("", f"an exact duplicate of line {first}"), []).append(
+                RecordError(f"an exact duplicate of line {first}", "", args.file, line.number))
     for errors in same.values():
         more = ""
         if len(errors) > 1:
             lines = ", ".join(str(e.line) for e in errors[1:11]) + (", ..." if len(errors) > 11 else "")
             more = f" (and {len(errors) - 1} more lines: {lines})"
         print(f"{errors[0]}{more}")
-    print(f"{args.file}: {good + bad} lines, {good} valid, {bad} rejected", file=sys.stderr)
+    print(f"{args.file}: {good + bad} lines, {good} valid, {bad} rejected"
+          + (f"; {duplicates} valid lines repeat an earlier line exactly" if duplicates else ""),
+          file=sys.stderr)
     return 1 if bad else 0
 
 

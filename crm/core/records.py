@@ -440,6 +440,15 @@ def _is_array(text: str) -> bool:
         return False
 
 
+def fingerprint(obj) -> bytes:
+    """The same for two records that are the same JSON, whatever their key order or spacing: an
+    exact duplicate (a record twice weighs twice in training; in train and val, it leaks)."""
+    import hashlib
+
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def load_records(path: str | Path, fmt: str) -> list:
     """All records of a file (for inputs that must be clean): every defect is read first, then
     raised together as one BadRecords, so a user fixes the file in one pass, not one line a run."""

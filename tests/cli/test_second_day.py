@@ -174,3 +174,23 @@ def test_a_run_dir_that_cannot_be_made_under_crm_root_is_one_line(tmp_path, caps
     assert line.startswith(f"crm-leaderboard: {a_file / 'runs'}")
     assert line.endswith(f": the run dir cannot be made under CRM_ROOT={a_file / 'runs'}: set "
                          "CRM_ROOT (or hydra.run.dir=) to a directory you can write")
+
+
+def test_validate_and_stats_count_exact_duplicates(tmp_path, capsys):
+    one, other = train_dict("k0"), train_dict("k1")
+    reordered = dict(reversed(list(one.items())))  # the same record, its keys in another order
+    path = write_jsonl(tmp_path / "mine.jsonl", [one, other, reordered, one])
+    assert crm_data(["validate", str(path)]) == 0  # a duplicate is said, not a defect
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines() == [f"{path}:3: an exact duplicate of line 1 (and 1 more "
+                                        "lines: 4)"]
+    assert err.strip() == (f"{path}: 4 lines, 4 valid, 0 rejected; 2 valid lines repeat an "
+                           "earlier line exactly")
+    assert crm_data(["stats", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["mine.jsonl"]["duplicates"] == 2
+    shards = tmp_path / "shards"
+    assert crm_data(["shard", str(path), str(shards), "--val-fraction", "0.5"]) == 0
+    capsys.readouterr()
+    assert crm_data(["stats", str(shards)]) == 0
+    per_split = json.loads(capsys.readouterr().out)
+    assert sum(s["duplicates"] for s in per_split.values()) == 2  # across splits too
