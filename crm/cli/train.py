@@ -155,6 +155,7 @@ def train(cfg: DictConfig) -> dict | None:
     log_per_rank()
     run: TrainConfig = settings(cfg)
     check_config(cfg)
+    check_sweep()
     checks.check_trainer(run.trainer)
     benchmarks = read_benchmarks(run)
     resolved = resolve(run)
@@ -303,6 +304,39 @@ def log_per_rank() -> None:
         root.addHandler(own)
 
 
+def check_sweep() -> None:
+    """A multirun's first job composes and checks every job's config as its own was: a typo in a
+    plain sweep value (`transform.ties=drop,kepp`) stops the sweep before job 0 trains, not after.
+    (Hydra's sweeper composes each job before it runs it, which finds a key or group that does
+    not exist, not a value its dataclass refuses.)"""
+    from hydra import compose
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+
+    from crm.cli.common import describe as describe_hydra_error
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.job.num != 0:
+        return
+    arguments = get_args_parser().parse_known_args(sys.argv[1:])[0].overrides
+    params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create().parse_overrides(params + list(arguments))
+    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    for number, job in enumerate(jobs[1:], start=1):
+        overrides = [o for o in job if not o.lstrip("+~").startswith("hydra.")]
+        try:
+            job_cfg = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
+            settings(job_cfg)
+            check_config(job_cfg)
+        except (ValueError, HydraException) as exc:
+            reason = describe_hydra_error(exc) if isinstance(exc, HydraException) else exc
+            raise ConfigError(f"sweep job {number} ({' '.join(overrides)}), checked before job 0 "
+                              f"trains: {reason}") from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Settings that cannot work, refused before anything runs."""
     if str(cfg.trainer.precision).endswith("-mixed") and cfg.model.dtype != "float32":
@@ -410,6 +444,8 @@ def sweep_info(run: TrainConfig) -> dict | None:
     """In a multirun: the sweep's group (the logger's group, else the run name) and this job's
     axis values (its overrides), so that wandb groups and tags a sweep's runs."""
     from hydra.types import RunMode
+
+    from crm.cli.common import describe as describe_hydra_error
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:

@@ -17,6 +17,7 @@ from helpers import refused, train_dict
 
 import crm.cli.eval
 import crm.cli.leaderboard
+import crm.cli.train
 from crm.cli.train import keep_earlier_figures
 from data_tools.cli import main as crm_data
 
@@ -194,3 +195,13 @@ def test_validate_and_stats_count_exact_duplicates(tmp_path, capsys):
     assert crm_data(["stats", str(shards)]) == 0
     per_split = json.loads(capsys.readouterr().out)
     assert sum(s["duplicates"] for s in per_split.values()) == 2  # across splits too
+
+
+def test_a_sweep_value_that_cannot_work_stops_the_sweep_before_job_0_trains(root, capsys,
+                                                                              monkeypatch):
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "-m",
+                   "transform.ties=drop,kepp", "trainer.max_steps=1")
+    assert line.startswith("crm-train: sweep job 1 (transform.ties=kepp trainer.max_steps=1), "
+                           "checked before job 0 trains: ")
+    assert "kepp" in line.split("trains: ", 1)[1]
+    assert not list(root.rglob("*.ckpt")) and not (root / ".cache").exists()  # nothing trained
