@@ -445,8 +445,6 @@ def sweep_info(run: TrainConfig) -> dict | None:
     axis values (its overrides), so that wandb groups and tags a sweep's runs."""
     from hydra.types import RunMode
 
-    from crm.cli.common import describe as describe_hydra_error
-
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
