@@ -323,8 +323,13 @@ def check_sweep() -> None:
         return
     arguments = get_args_parser().parse_known_args(sys.argv[1:])[0].overrides
     params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
-    parsed = OverridesParser.create().parse_overrides(params + list(arguments))
+    try:
+        parsed = OverridesParser.create().parse_overrides(params + list(arguments))
+    except HydraException:
+        return  # not the command line the sweep came from (a launcher's own process)
     jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    if not jobs or sorted(jobs[0]) != sorted(hydra_cfg.overrides.task):
+        return  # the same: job 0 of another sweep is no guide to this one
     for number, job in enumerate(jobs[1:], start=1):
         overrides = [o for o in job if not o.lstrip("+~").startswith("hydra.")]
         try:
