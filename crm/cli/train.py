@@ -28,7 +28,7 @@ from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
 from crm.data.demo import DemoConfig, demo_shard_dir, prepare_demo
 from crm.data.manifest import load_manifest
-from crm.data.reader import training_texts
+from crm.data.reader import iter_shard, training_texts
 from crm.data.stream import StreamConfig, StreamSettings
 from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
 from crm.evaluation.accuracy import evaluate_files
@@ -220,8 +220,9 @@ def train(cfg: DictConfig) -> dict | None:
             return None
         if "export" in callbacks:
             callbacks["export"].export(trainer, module)
-            if not metrics["preempted"] and run.evaluate and (run.data.test_files or benchmarks):
+            if not metrics["preempted"] and run.evaluate:
                 scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
+                metrics["shortcut_check"] = check_shortcuts(scorer, shard_dir)
                 if run.data.test_files:
                     metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
                 if benchmarks:
@@ -233,6 +234,23 @@ def train(cfg: DictConfig) -> dict | None:
         return metrics
     finally:
         callbacks["preemption"].release()
+
+
+def check_shortcuts(scorer, shard_dir: Path) -> dict | None:
+    """The exported CRM on its own validation records (crm.evaluation.criteria_check): a
+    criteria-blind or slot-following model is a warning at the end of the run, which its
+    validation loss alone does not show."""
+    from crm.core.records import parse_train
+    from crm.evaluation.criteria_check import shortcut_check
+
+    manifest = load_manifest(shard_dir)
+    if "val" not in manifest.splits:
+        return None
+    records = (parse_train(obj) for shard in manifest.shards("val") for _, obj in iter_shard(shard.url))
+    result = shortcut_check(scorer, records)
+    for warning in (result or {}).get("warnings", []):
+        log.warning("the trained CRM is %s", warning)
+    return result
 
 
 def keep_earlier_figures(train: dict, earlier: Path) -> None:
