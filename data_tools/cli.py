@@ -57,6 +57,7 @@ def _shard(args) -> int:
 
     for path in args.files:
         _check_text(path)
+    _check_topic_tables(args.files)
     manifest = shard(args.files, args.out_dir, val_fraction=args.val_fraction,
                      shard_size=args.shard_size, seed=args.seed, fmt=args.format,
                      overwrite=args.overwrite)
@@ -123,6 +124,29 @@ def _check_text(path: str) -> None:
             raise ValueError(f"{path}:{number}: votes ({votes} format), not training records: "
                              f"`crm-data criteria {path} OUT_DIR --base-url URL --model NAME` "
                              "writes the criteria under which each side wins (docs/DATA_PIPELINE.md)")
+
+
+def _check_topic_tables(files: list[str]) -> None:
+    """Topic ids are a table's (`crm-data topics` writes `<stem>.topics.json` beside its output):
+    files clustered apart number their topics apart (1 is "short" in one, "formal" in the other),
+    and `add` noise, which draws criteria of another topic, would mix them up. Refused in one
+    line with the way to one table."""
+    tables = {}
+    for path in files:
+        table = Path(path).with_name(Path(path).name.removesuffix(".gz").removesuffix(".jsonl")
+                                     + ".topics.json")
+        if table.is_file():
+            tables[path] = (table, {t["id"]: t["name"] for t in json.loads(table.read_text("utf-8"))})
+    first, *others = list(tables.items()) or [(None, None)]
+    for path, (table, names) in others:
+        if names != first[1][1]:
+            topic = next((i for i in sorted(set(names) | set(first[1][1]))
+                          if names.get(i) != first[1][1].get(i)), None)
+            raise ValueError(
+                f"{first[0]} and {path} carry topic ids of different tables ({first[1][0]}, {table}): "
+                f"topic {topic} is {first[1][1].get(topic)!r} in one, {names.get(topic)!r} in the "
+                "other; give them one table: `cat FILES > all.jsonl && crm-data topics all.jsonl "
+                "all.jsonl`, then shard all.jsonl")
 
 
 def _print_rejects(path: Path, most: int = 20) -> None:

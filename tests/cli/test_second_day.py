@@ -225,3 +225,23 @@ def test_a_line_keeps_its_split_when_another_file_is_added(tmp_path):
     inputs = [more, mine]  # another file, first: every key of mine.jsonl changes
     together = splits(tmp_path / "together")
     assert {t: together[t] for t in alone} == alone and set(alone.values()) == {"train", "val"}
+
+
+def test_files_of_different_topic_tables_are_not_sharded_together(tmp_path, capsys):
+    from data_tools.topics import topics
+
+    raw = [write_jsonl(tmp_path / f"{name}.jsonl", [train_dict(f"{name}{i}") for i in range(6)])
+           for name in ("one", "two")]
+    for path, words in zip(raw, (["short", "formal"], ["formal", "short"])):
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for i, row in enumerate(rows):  # the same criteria, met in another order in each file
+            row["a_criteria"], row["b_criteria"] = [words[i % 2]], [words[1 - i % 2]]
+        write_jsonl(path, rows)
+        topics(path, path, k=2)
+    assert crm_data(["shard", str(raw[0]), str(raw[1]), str(tmp_path / "shards")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"crm-data shard: {raw[0]} and {raw[1]} carry topic ids of different "
+                           f"tables ({tmp_path / 'one.topics.json'}, {tmp_path / 'two.topics.json'}): "
+                           "topic 0 is ")
+    assert line.endswith("give them one table: `cat FILES > all.jsonl && crm-data topics all.jsonl "
+                         "all.jsonl`, then shard all.jsonl")
