@@ -120,7 +120,8 @@ def summary(files: dict) -> str:
                      f"{m['accuracy_swapped']:>7.4f} {m['accuracy_mean']:>7.4f} "
                      f"{m['accuracy_both_orders']:>7.4f} {m['flip_rate']:>7.4f} "
                      f"{m['tie_rate']:>7.4f}"
-                     + (f"  ({m['unscorable']} unscorable)" if m["unscorable"] else ""))
+                     + (f"  ({m['unscorable']} unscorable)" if m["unscorable"] else "")
+                     + (f"  ({m['shortened']} shortened to fit)" if m.get("shortened") else ""))
     return "\n".join(lines)
 
 

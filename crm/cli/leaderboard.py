@@ -149,6 +149,10 @@ def run(cfg: DictConfig) -> dict:
     result.update(model=str(cfg.checkpoint), kind=scorer.kind,
                   sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
                   wall_seconds=round(time.time() - started, 1))
+    if result["sequences"].get("shortened"):
+        log.warning("%d prompts had responses shortened to fit the CRM's %d tokens (judged on "
+                    "their start and end: leaderboard.json's sequences.shortened)",
+                    result["sequences"]["shortened"], scorer.encoder.max_tokens)
     if cfg.suggest_votes:
         pairs = suggest_pairs(selection, cfg.suggest_votes, cfg.interval.seed,
                               exclude=set(votes.used) if votes else set())

@@ -18,6 +18,7 @@ class Judge:
 
     def __init__(self, rule):
         self.rule = rule
+        self.counts = {}
 
     def pair_probabilities(self, examples, unfit="raise", both_orders=False):
         return torch.tensor([[0.9, 0.1, 0.0] if self.rule(e) == 0 else [0.1, 0.9, 0.0]
