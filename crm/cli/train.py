@@ -40,7 +40,7 @@ from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training import checks
 from crm.training.callbacks import CheckpointCard, ExportBest, ModelSize, ShardingReport
 from crm.training.datamodule import CRMDataModule
-from crm.training.loggers import LoggerConfig, make_logger
+from crm.training.loggers import LoggerConfig, make_logger, plot_curves
 from crm.training.module import CRMModule, OptimConfig
 from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
@@ -228,6 +228,9 @@ def train(cfg: DictConfig) -> dict | None:
                 if benchmarks:
                     metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
                                                              trainer.global_step)
+        curves = run_dir / "csv" / "metrics.csv"
+        if run.logger.name == "csv" and curves.is_file():
+            plot_curves(curves)
         metrics["wall_seconds"] = round(time.time() - started, 1)
         keep_earlier_figures(metrics["train"], run_dir / "metrics.json")
         write_json(run_dir / "metrics.json", metrics)

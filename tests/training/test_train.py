@@ -279,6 +279,7 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
             assert 0.0 <= m[field] <= 1.0, (path, field, m[field])
     header = (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"train/loss", "val/loss", "step"} <= set(header)
+    assert (run_dir / "csv" / "curves.png").stat().st_size > 10_000  # the curves beside the CSV
 
     export = run_dir / "export"
     meta = json.loads((export / "crm.json").read_text())
