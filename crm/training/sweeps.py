@@ -95,11 +95,13 @@ def table(runs: list[Run]) -> tuple[list[str], list[list]]:
 
 
 def markdown(header: list[str], rows: list[list]) -> str:
-    def fmt(v) -> str:
+    def fmt(name: str, v) -> str:
+        if name == "wall_s" and isinstance(v, (int, float)):
+            return f"{v:.1f}"  # seconds, measured to a tenth: not a four-place rate
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(h, v) for h, v in zip(header, row)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 

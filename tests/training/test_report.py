@@ -61,9 +61,9 @@ def test_cli_writes_markdown_csv_and_plot(sweep, capsys):
     assert (sweep / "report.md").read_text() == (
         "| loss | seed | acc/contradictory | acc/in_distribution | flip_rate | steps | wall_s |\n"
         "|---|---|---|---|---|---|---|\n"
-        "| cls |  | 0.9800 | 0.9900 | 0.0100 | 700 | 250.5000 |\n"
-        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 700 | 301.0000 |\n"
-        "| ranking | 1 | 0.5000 |  | 0.1000 | 20 | 9.0000 |\n")
+        "| cls |  | 0.9800 | 0.9900 | 0.0100 | 700 | 250.5 |\n"
+        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 700 | 301.0 |\n"
+        "| ranking | 1 | 0.5000 |  | 0.1000 | 20 | 9.0 |\n")
     assert (sweep / "report.csv").read_text().splitlines()[1] == "cls,,0.98,0.99,0.01,700,250.5"
     assert (sweep / "report.png").stat().st_size > 5000
     assert "3 runs" in capsys.readouterr().out
