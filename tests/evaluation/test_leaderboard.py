@@ -267,6 +267,13 @@ def test_a_long_criteria_title_stays_clear_of_the_heatmaps_label(tmp_path, monke
         label = heat._right_title.get_window_extent(renderer)
         assert not title.overlaps(label) and title.y0 > label.y0
         assert title.x1 <= heat.get_window_extent(renderer).x1  # wrapped within bars + heatmap
+    # The figure's title clears the first board's (it overprinted it), and says which orders
+    # were judged: one order lets a slot-biased CRM decide the board.
+    main = fig._suptitle.get_window_extent(renderer)
+    assert not main.overlaps(bars[0]._left_title.get_window_extent(renderer))
+    assert "baseline in slot A only" in fig._suptitle.get_text()
+    lower_title = bars[1]._left_title.get_window_extent(renderer)
+    assert not lower_title.overlaps(bars[0].xaxis.label.get_window_extent(renderer))
 
 
 def test_prefix_reuse_gives_the_same_leaderboard(tmp_path):
