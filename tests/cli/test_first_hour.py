@@ -190,11 +190,14 @@ def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="crm.training.checks"):
         check_data_fits(settings(cfg), tmp_path / "shards", run_dir, world=1)
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 4 and all("\n" not in w for w in warnings)
+    assert len(warnings) == 6 and all("\n" not in w for w in warnings)
     assert f"global_batch_size=64 is larger than the {n_train} training records" in warnings[0]
     assert f"the validation split holds {n_val} record(s)" in warnings[1] and n_val < 5  # 5% of 48
     assert "warmup_steps=300 is not shorter than trainer.max_steps=40" in warnings[2]
-    assert "name=mine" in warnings[3] and "this run resumes it" in warnings[3]
+    assert warnings[3].startswith("val_every_n_steps=200 is past trainer.max_steps=40: the run "
+                                  "never validates")
+    assert warnings[4].startswith("save_every_n_steps=200 is past trainer.max_steps=40")
+    assert "name=mine" in warnings[5] and "this run resumes it" in warnings[5]
 
 
 def test_crm_rl_says_how_many_prompts_to_hold_out_before_loading_the_crm(tmp_path, capsys,
