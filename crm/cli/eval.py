@@ -81,7 +81,8 @@ def evaluate(cfg: DictConfig) -> dict:
         metrics, predictions = evaluate_files(scorer, paths)
         result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics}
         if benchmark:
-            result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=cfg.progress)
+            # the bar where the scorer's would show: on a terminal only (load_scorer)
+            result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=scorer.progress)
     finally:
         close_scorer(scorer)
     result["wall_seconds"] = round(time.time() - started, 1)

@@ -414,12 +414,13 @@ GZIP_MAGIC = b"\x1f\x8b"
 def open_data(path: str | Path):
     """`path` opened for reading bytes, a gzip file (`.jsonl.gz`, or any file that starts with
     gzip's magic bytes) decompressed as it is read."""
-    handle = open(path, "rb")
-    if handle.peek(2)[:2] == GZIP_MAGIC:
+    with open(path, "rb") as probe:
+        magic = probe.read(2)
+    if magic == GZIP_MAGIC:
         import gzip
 
-        return gzip.GzipFile(fileobj=handle, mode="rb")
-    return handle
+        return gzip.open(path, "rb")  # closing it closes the file (a GzipFile over a handle would not)
+    return open(path, "rb")
 
 
 def whole_document(first_line: str) -> str | None:
