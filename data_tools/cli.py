@@ -112,7 +112,7 @@ def _check_text(path: str) -> None:
         if first[0] in "[{":
             return  # a JSON document or a broken line: read_lines says which
         hint = ("votes in CSV go to `crm-data criteria`" if path.endswith(".csv") else
-                "crm-data shard reads JSONL files (a README or notes caught by a glob? give the "
+                "crm-data reads JSONL files (a README or notes caught by a glob? give the "
                 ".jsonl files only)")
         raise ValueError(f"{path}:{number}: not JSON lines (the line reads {first[:40]!r}): "
                          f"{hint}") from None
@@ -131,22 +131,23 @@ def _check_topic_tables(files: list[str]) -> None:
     files clustered apart number their topics apart (1 is "short" in one, "formal" in the other),
     and `add` noise, which draws criteria of another topic, would mix them up. Refused in one
     line with the way to one table."""
-    tables = {}
+    tables = []  # (input, its table's path, topic id -> name)
     for path in files:
         table = Path(path).with_name(Path(path).name.removesuffix(".gz").removesuffix(".jsonl")
                                      + ".topics.json")
         if table.is_file():
-            tables[path] = (table, {t["id"]: t["name"] for t in json.loads(table.read_text("utf-8"))})
-    first, *others = list(tables.items()) or [(None, None)]
-    for path, (table, names) in others:
-        if names != first[1][1]:
-            topic = next((i for i in sorted(set(names) | set(first[1][1]))
-                          if names.get(i) != first[1][1].get(i)), None)
+            names = {t["id"]: t["name"] for t in json.loads(table.read_text("utf-8"))}
+            tables.append((path, table, names))
+    for path, table, names in tables[1:]:
+        first_path, first_table, first_names = tables[0]
+        differs = [i for i in sorted(set(names) | set(first_names)) if names.get(i) != first_names.get(i)]
+        if differs:
+            topic = differs[0]
             raise ValueError(
-                f"{first[0]} and {path} carry topic ids of different tables ({first[1][0]}, {table}): "
-                f"topic {topic} is {first[1][1].get(topic)!r} in one, {names.get(topic)!r} in the "
-                "other; give them one table: `cat FILES > all.jsonl && crm-data topics all.jsonl "
-                "all.jsonl`, then shard all.jsonl")
+                f"{first_path} and {path} carry topic ids of different tables ({first_table}, "
+                f"{table}): topic {topic} is {first_names.get(topic)!r} in one, "
+                f"{names.get(topic)!r} in the other; give them one table: `cat FILES > all.jsonl "
+                "&& crm-data topics all.jsonl all.jsonl`, then shard all.jsonl")
 
 
 def _print_rejects(path: Path, most: int = 20) -> None:

@@ -121,7 +121,7 @@ def test_crm_data_shard_names_what_it_was_given_instead_of_json_lines(tmp_path, 
         str(folder): f"crm-data shard: {folder}: a directory, not a JSONL file: give its data "
                      f"files (a.jsonl: {folder / '*.jsonl'})",
         str(folder / "README.md"): f"crm-data shard: {folder / 'README.md'}:1: not JSON lines (the "
-                                   "line reads '# my data'): crm-data shard reads JSONL files (a "
+                                   "line reads '# my data'): crm-data reads JSONL files (a "
                                    "README or notes caught by a glob? give the .jsonl files only)",
     }
     for given, line in expected.items():
