@@ -634,9 +634,7 @@ def test_every_validation_reads_the_whole_val_split(demo_root, tmp_path, monkeyp
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(CRMModule, "validation_step", validation_step)
-    # Batches of 2: the demo's val split (its lines drawn by their text's hash) spans more than two.
-    run_train(demo_root, tmp_path / "run", "val_every_n_steps=1", "trainer.num_sanity_val_steps=2",
-              "micro_batch_size=2", "global_batch_size=2")
+    run_train(demo_root, tmp_path / "run", "val_every_n_steps=1", "trainer.num_sanity_val_steps=2")
     assert set(passes) == {-1, 1, 2}
     full = passes[1]
     assert len(full) > 2  # more val batches than the sanity check reads
