@@ -28,12 +28,9 @@ SPLITS = ("train", "val")
 REJECTS = "rejects.jsonl"
 
 
-def assign_split(seed: int, text: str, val_fraction: float) -> str:
-    # Hashing the line's text (not a running draw, nor its key, which names its file's position
-    # among the inputs) keeps each line's split when lines or files are added, and puts a
-    # duplicate line in the split of its twin, never one in train and one in val.
-    digest = hashlib.blake2b(f"split\x1f{seed}\x1f{text}".encode("utf-8", "surrogatepass"),
-                             digest_size=8).digest()
+def assign_split(seed: int, key: str, val_fraction: float) -> str:
+    # Hashing the key (not a running draw) keeps each line's split when lines are added elsewhere.
+    digest = hashlib.blake2b(f"split\x1f{seed}\x1f{key}".encode(), digest_size=8).digest()
     return "val" if int.from_bytes(digest, "little") / 2**64 < val_fraction else "train"
 
 
@@ -100,7 +97,7 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
                         raise ValueError(f"{path}:{line.number}: a bench-format record (prompt + "
                                          "responses) is not training data")
                     key = sample_key(fi, len(inputs), line.number)
-                    split = assign_split(seed, line.text, val_fraction)
+                    split = assign_split(seed, key, val_fraction)
                     counts[split]["read"] += 1
                     if line.error:
                         counts[split]["rejected"] += 1

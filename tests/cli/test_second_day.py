@@ -19,7 +19,6 @@ import crm.cli.eval
 import crm.cli.leaderboard
 import crm.cli.train
 from crm.cli.train import keep_earlier_figures
-from crm.data.reader import iter_shard_raw
 from data_tools.cli import main as crm_data
 
 BIN = Path(sys.executable).parent
@@ -206,25 +205,6 @@ def test_a_sweep_value_that_cannot_work_stops_the_sweep_before_job_0_trains(root
                            "checked before job 0 trains: ")
     assert "kepp" in line.split("trains: ", 1)[1]
     assert not list(root.rglob("*.ckpt")) and not (root / ".cache").exists()  # nothing trained
-
-
-def test_a_line_keeps_its_split_when_another_file_is_added(tmp_path):
-    from crm.data.shard import shard
-
-    mine = write_jsonl(tmp_path / "mine.jsonl", [train_dict(f"k{i}") for i in range(40)])
-    more = write_jsonl(tmp_path / "more.jsonl", [train_dict(f"m{i}") for i in range(40)])
-
-    def splits(out: Path) -> dict[str, str]:
-        manifest = shard([str(p) for p in inputs], out, val_fraction=0.3)
-        return {text.decode(): split for split in manifest["splits"]
-                for s in manifest["splits"][split]["shards"]
-                for _, text in iter_shard_raw(str(out / s["url"]))}
-
-    inputs = [mine]
-    alone = splits(tmp_path / "alone")
-    inputs = [more, mine]  # another file, first: every key of mine.jsonl changes
-    together = splits(tmp_path / "together")
-    assert {t: together[t] for t in alone} == alone and set(alone.values()) == {"train", "val"}
 
 
 def test_files_of_different_topic_tables_are_not_sharded_together(tmp_path, capsys):
