@@ -162,3 +162,21 @@ def test_a_cpu_sweep_reports_the_benchmarks_its_runs_scored(demo_root, tmp_path)
                                        "rmbench/normal_acc", "rmbench/easy_acc"]
     assert rows[0][start] == round(pairs["accuracy"], 4)
     assert rows[1][0] == "ranking" and rows[1][start:start + 4] == [0.25, 0.0, "", ""]
+
+
+def test_a_sweep_whose_other_job_failed_names_the_run_by_its_job_and_says_why_no_bars(
+        tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "multirun" / "ties"
+    fake_run(root, 0, ["transform.ties=drop"], {}, 20, 9.0)  # no test files evaluated
+    (root / "1" / ".hydra").mkdir(parents=True)  # job 1 failed: no metrics.json
+    (root / "1" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["transform.ties=keep"]))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its texts
+    assert report_main([str(root)]) == 0
+    (fig,) = figures
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["job 0"]  # it read "run 0"
+    assert [t.get_text() for t in ax.texts] == [
+        "no test-set accuracy: these runs evaluated no data.test_files"]
