@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from crm.core.records import FORMATS, RecordError, read_lines
+from crm.core.records import (FORMATS, RecordError, fingerprint, line_format, open_data, read_lines,
+                              whole_document)
 
 REJECTS_NAME = "rejects.jsonl"
 
@@ -24,21 +25,30 @@ def _demo(args) -> int:
 def _validate(args) -> int:
     """Each distinct defect (field and reason) once, at its first line, with how many lines share
     it and where: a file missing one field on every line is one line of output, not thousands."""
-    good = bad = 0
+    _check_text(args.file)
+    good = bad = duplicates = 0
     same: dict[tuple[str, str], list[RecordError]] = {}
+    first_line: dict[bytes, int] = {}
     for line in read_lines(args.file, args.format):
         if line.error:
             bad += 1
             same.setdefault((line.error.field, line.error.reason), []).append(line.error)
-        else:
-            good += 1
+            continue
+        good += 1
+        first = first_line.setdefault(fingerprint(json.loads(line.text)), line.number)
+        if first != line.number:  # valid, and said: a duplicate is not a defect, but rarely meant
+            duplicates += 1
+            same.setdefault(("", f"an exact duplicate of line {first}"), []).append(
+                RecordError(f"an exact duplicate of line {first}", "", args.file, line.number))
     for errors in same.values():
         more = ""
         if len(errors) > 1:
             lines = ", ".join(str(e.line) for e in errors[1:11]) + (", ..." if len(errors) > 11 else "")
             more = f" (and {len(errors) - 1} more lines: {lines})"
         print(f"{errors[0]}{more}")
-    print(f"{args.file}: {good + bad} lines, {good} valid, {bad} rejected", file=sys.stderr)
+    print(f"{args.file}: {good + bad} lines, {good} valid, {bad} rejected"
+          + (f"; {duplicates} valid lines repeat an earlier line exactly" if duplicates else ""),
+          file=sys.stderr)
     return 1 if bad else 0
 
 
@@ -47,8 +57,10 @@ def _shard(args) -> int:
 
     for path in args.files:
         _check_text(path)
+    _check_topic_tables(args.files)
     manifest = shard(args.files, args.out_dir, val_fraction=args.val_fraction,
-                     shard_size=args.shard_size, seed=args.seed, fmt=args.format)
+                     shard_size=args.shard_size, seed=args.seed, fmt=args.format,
+                     overwrite=args.overwrite)
     c = manifest["counts"]
     _print_rejects(Path(args.out_dir) / manifest["rejects"])
     for split, info in manifest["splits"].items():
@@ -65,19 +77,77 @@ def _shard(args) -> int:
 
 
 def _check_text(path: str) -> None:
-    """A file that is not JSONL text at all (Parquet, a binary, another encoding) is one error,
-    not a reject per line of bytes: its start shows it."""
-    with open(path, "rb") as handle:
+    """A file that is not JSONL text at all (Parquet, a binary, another encoding, a README caught
+    by a glob, votes that have no criteria yet) is one error saying what to do, not a reject per
+    line: its start shows it. A directory is refused with its data files named. gzip is read."""
+    if Path(path).is_dir():
+        data = sorted(p.name for p in Path(path).iterdir()
+                      if p.name.endswith((".jsonl", ".jsonl.gz")) and p.name != REJECTS_NAME)
+        what = (f"give its data files ({', '.join(data[:5])}{', ...' if len(data) > 5 else ''}: "
+                f"{Path(path) / '*.jsonl'})" if data else "it holds no .jsonl file")
+        raise ValueError(f"{path}: a directory, not a JSONL file: {what}")
+    with open_data(path) as handle:
         head = handle.read(1 << 16)
     if head.startswith(b"PAR1"):
         raise ValueError(f"{path}: a Parquet file, not JSONL (votes in Parquet go to `crm-data "
                          "criteria`; records: write them as JSON lines)")
     try:
-        head.decode("utf-8")
+        text = head.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         if exc.start < len(head) - 3:  # not a character cut at the end of the sample
             raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}): crm-data shard reads "
                              "JSONL files") from None
+        text = head[:exc.start].decode("utf-8-sig")
+    lines = text.splitlines()
+    number, first = next(((n, line.strip()) for n, line in enumerate(lines, start=1)
+                          if line.strip()), (0, ""))
+    if not first or (number == len(lines) and len(head) == 1 << 16):
+        return  # empty, or a first line longer than the sample: read_lines judges it
+    document = whole_document(first)
+    if document:  # read_lines would say it too, after OUT_DIR is made
+        raise ValueError(f"{path}:{number}: {document}")
+    try:
+        obj = json.loads(first)
+    except (ValueError, RecursionError):
+        if first[0] in "[{":
+            return  # a JSON document or a broken line: read_lines says which
+        hint = ("votes in CSV go to `crm-data criteria`" if path.endswith(".csv") else
+                "crm-data reads JSONL files (a README or notes caught by a glob? give the "
+                ".jsonl files only)")
+        raise ValueError(f"{path}:{number}: not JSON lines (the line reads {first[:40]!r}): "
+                         f"{hint}") from None
+    if line_format(obj) is None and isinstance(obj, dict):
+        from data_tools.votes import vote_format
+
+        votes = vote_format(obj)
+        if votes:
+            raise ValueError(f"{path}:{number}: votes ({votes} format), not training records: "
+                             f"`crm-data criteria {path} OUT_DIR --base-url URL --model NAME` "
+                             "writes the criteria under which each side wins (docs/DATA_PIPELINE.md)")
+
+
+def _check_topic_tables(files: list[str]) -> None:
+    """Topic ids are a table's (`crm-data topics` writes `<stem>.topics.json` beside its output):
+    files clustered apart number their topics apart (1 is "short" in one, "formal" in the other),
+    and `add` noise, which draws criteria of another topic, would mix them up. Refused in one
+    line with the way to one table."""
+    tables = []  # (input, its table's path, topic id -> name)
+    for path in files:
+        table = Path(path).with_name(Path(path).name.removesuffix(".gz").removesuffix(".jsonl")
+                                     + ".topics.json")
+        if table.is_file():
+            names = {t["id"]: t["name"] for t in json.loads(table.read_text("utf-8"))}
+            tables.append((path, table, names))
+    for path, table, names in tables[1:]:
+        first_path, first_table, first_names = tables[0]
+        differs = [i for i in sorted(set(names) | set(first_names)) if names.get(i) != first_names.get(i)]
+        if differs:
+            topic = differs[0]
+            raise ValueError(
+                f"{first_path} and {path} carry topic ids of different tables ({first_table}, "
+                f"{table}): topic {topic} is {first_names.get(topic)!r} in one, "
+                f"{names.get(topic)!r} in the other; give them one table: `cat FILES > all.jsonl "
+                "&& crm-data topics all.jsonl all.jsonl`, then shard all.jsonl")
 
 
 def _print_rejects(path: Path, most: int = 20) -> None:
@@ -191,6 +261,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-size", type=int, default=5000, help="most records in one shard")
     s.add_argument("--seed", type=int, default=0, help="seeds the split and the order in shards")
     s.add_argument("--strict", action="store_true", help="exit 1 when any line is rejected")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR's shards of other inputs, or another command's "
+                        "rejects.jsonl there (refused without it)")
     s.add_argument("--format", choices=("train", "test"),
                    help="the files' format (test = the README's criteria + preference); "
                         "default: detected per file")

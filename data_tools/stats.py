@@ -1,10 +1,12 @@
 """`crm-data stats`: counts, lengths, criteria per sample and label balance of a file or shard dir."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
-from crm.core.records import BenchRecord, RecordError, TestRecord, TrainRecord, parse_train, read_lines
+from crm.core.records import (BenchRecord, RecordError, TestRecord, TrainRecord, fingerprint,
+                              parse_train, read_lines)
 from crm.data.manifest import load_manifest
 from crm.data.reader import iter_shard
 
@@ -23,32 +25,38 @@ def _words(conversation) -> int:
 
 
 def _records_of(path: Path):
-    """(split, record) pairs, and the count of bad lines (files only: shards were validated)."""
+    """(split, record, fingerprint) triples; a file's bad line is its RecordError (shards were
+    validated)."""
     if path.is_dir():
         manifest = load_manifest(path)
         for split in manifest.splits:
             for shard in manifest.shards(split):
                 for key, obj in iter_shard(shard.url):
                     try:
-                        yield split, parse_train(obj)
+                        yield split, parse_train(obj), fingerprint(obj)
                     except RecordError as err:
                         raise RecordError(f"sample {key}: {err}", path=shard.url) from None
     else:
         for line in read_lines(path):
-            yield path.name, line.error or line.record
+            yield (path.name, line.error or line.record,
+                   None if line.error else fingerprint(json.loads(line.text)))
 
 
 def stats(path: str | Path) -> dict:
     path = Path(path)
     per_split: dict[str, dict] = {}
-    for split, record in _records_of(path):
-        s = per_split.setdefault(split, {"records": 0, "rejected": 0, "labels": Counter(),
+    seen: set[bytes] = set()
+    for split, record, record_print in _records_of(path):
+        s = per_split.setdefault(split, {"records": 0, "rejected": 0, "duplicates": 0, "labels": Counter(),
                                          "criteria": Counter(), "words": [], "turns": Counter(),
                                          "topics": Counter()})
         if isinstance(record, RecordError):
             s["rejected"] += 1
             continue
         s["records"] += 1
+        if record_print in seen:  # of a record earlier in this split or another (one in val leaks)
+            s["duplicates"] += 1
+        seen.add(record_print)
         if isinstance(record, TrainRecord):
             s["labels"][record.human_winner] += 1
             # a README-format record knows one side's criteria (both sides hold a tie's)
@@ -71,6 +79,7 @@ def stats(path: str | Path) -> dict:
         split: {
             "records": s["records"],
             "rejected": s["rejected"],
+            "duplicates": s["duplicates"],
             "labels": dict(sorted(s["labels"].items())),
             "criteria_per_side": dict(sorted(s["criteria"].items())),
             "response_words": _summary(s["words"]),

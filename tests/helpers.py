@@ -9,6 +9,7 @@ import io
 import json
 import random
 import socket
+import sys
 import tarfile
 from pathlib import Path
 
@@ -231,3 +232,18 @@ def raw_request(url: str, data: bytes, timeout: float = 10, source: str = "127.0
         while chunk := s.recv(65536):
             answer += chunk
     return answer
+
+
+def refused(capsys, monkeypatch, main, *argv: str) -> str:
+    """`main()` as the console script `argv[0]` runs it: exit 2, one stderr line naming the
+    command, no traceback; returns that line."""
+    import pytest
+
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert exit_info.value.code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(f"{argv[0]}: ") and "Traceback" not in err, err
+    return lines[0]

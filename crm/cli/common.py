@@ -114,8 +114,11 @@ def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
     from crm.inference.scorer import CRMScorer
     from crm.models.backbone import DTYPES
 
-    if not Path(cfg.checkpoint).exists():
-        raise ConfigError(f"checkpoint={cfg.checkpoint}: no such export directory or checkpoint")
+    from crm.models.checkpoint import not_loadable
+
+    problem = not_loadable(cfg.checkpoint)
+    if problem:
+        raise ConfigError(f"checkpoint={cfg.checkpoint}: {problem}")
     # Bars redraw with carriage returns: in a terminal they vanish, in a log file or a pipe they
     # stay, glued to the results table the command prints next. Shown on a terminal only.
     progress = cfg.progress and sys.stderr.isatty()
@@ -169,6 +172,7 @@ def one_line_config_errors(task):
     Real crashes keep theirs."""
     @functools.wraps(task)
     def run(cfg: DictConfig):
+        _task_started.append(task.__name__)
         try:
             return task(cfg)
         except (ConfigError, RecordError) as exc:
@@ -231,11 +235,24 @@ def one_line(func):
     parsing, instantiating a user's `_target_`) are a user's mistake."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return func()
+    _task_started.clear()
     try:
         return func()
     except HydraException as exc:
         print(f"{Path(sys.argv[0]).name}: {describe(exc)}", file=sys.stderr)
         sys.exit(2)
+    except OSError as exc:
+        if _task_started:  # the command's own: a crash keeps its traceback
+            raise
+        # Hydra makes the run dir before the task starts: CRM_ROOT unwritable, or under a file.
+        root = os.environ.get("CRM_ROOT", ".")
+        print(f"{Path(sys.argv[0]).name}: {exc.filename or ''}: {exc.strerror or exc}: the run dir "
+              f"cannot be made under CRM_ROOT={root}: set CRM_ROOT (or hydra.run.dir=) to a "
+              "directory you can write", file=sys.stderr)
+        sys.exit(2)
+
+
+_task_started: list[str] = []  # set by one_line_config_errors: an OSError after it is no setup error
 
 
 def describe(exc: HydraException) -> str:

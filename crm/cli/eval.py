@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig
 from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, close_scorer,
                             load_scorer, one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
-from crm.core.files import write_json
+from crm.core.files import refuse_replacing, write_json
 from crm.core.records import load_records
 from crm.evaluation.accuracy import evaluate_files
 from crm.evaluation.benchmarks import (BenchmarkConfig, criteria_override, describe,
@@ -81,7 +81,8 @@ def evaluate(cfg: DictConfig) -> dict:
         metrics, predictions = evaluate_files(scorer, paths)
         result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics}
         if benchmark:
-            result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=cfg.progress)
+            # the bar where the scorer's would show: on a terminal only (load_scorer)
+            result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=scorer.progress)
     finally:
         close_scorer(scorer)
     result["wall_seconds"] = round(time.time() - started, 1)
@@ -98,16 +99,16 @@ def check_not_another_run(metrics: Path, cfg: EvalConfig) -> None:
     """The run dir is outputs/eval/<name>, `default` unless name= is set: results of another
     checkpoint, other test files or another benchmark there are not overwritten (the same
     evaluation is re-run)."""
-    if not metrics.is_file():
-        return
-    before = json.loads(metrics.read_text(encoding="utf-8"))
     benchmark = cfg.benchmark.name if cfg.benchmark else None
-    if (before.get("model") != str(cfg.checkpoint)
-            or sorted(before.get("files", {})) != sorted(cfg.data.test)
-            or (before.get("benchmark") or {}).get("benchmark") != benchmark):
-        raise ConfigError(f"{metrics.parent} holds the results of checkpoint={before.get('model')} "
-                          f"on other files, another benchmark or another checkpoint: give this "
-                          f"evaluation its own name= (name={cfg.name} is taken)")
+    refuse_replacing(metrics, evaluation_inputs(str(cfg.checkpoint), cfg.data.test, benchmark),
+                     lambda before: evaluation_inputs(
+                         before.get("model"), before.get("files") or {},
+                         (before.get("benchmark") or {}).get("benchmark")),
+                     f"give this evaluation its own name= (name={cfg.name} is taken)")
+
+
+def evaluation_inputs(checkpoint, test_files, benchmark) -> dict:
+    return {"checkpoint": checkpoint, "data.test": sorted(test_files), "benchmark": benchmark}
 
 
 def summary(files: dict) -> str:
@@ -120,7 +121,8 @@ def summary(files: dict) -> str:
                      f"{m['accuracy_swapped']:>7.4f} {m['accuracy_mean']:>7.4f} "
                      f"{m['accuracy_both_orders']:>7.4f} {m['flip_rate']:>7.4f} "
                      f"{m['tie_rate']:>7.4f}"
-                     + (f"  ({m['unscorable']} unscorable)" if m["unscorable"] else ""))
+                     + (f"  ({m['unscorable']} unscorable)" if m["unscorable"] else "")
+                     + (f"  ({m['shortened']} shortened to fit)" if m.get("shortened") else ""))
     return "\n".join(lines)
 
 

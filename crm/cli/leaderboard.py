@@ -28,7 +28,7 @@ from omegaconf import MISSING, DictConfig
 from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, close_scorer,
                             load_scorer, one_line_config_errors, register_schema, settings)
 from crm.core.errors import ConfigError
-from crm.core.files import write_json
+from crm.core.files import refuse_replacing, write_json
 from crm.core.records import RecordError
 from crm.evaluation.leaderboard import Bootstrap, interval_method, leaderboard, select
 from crm.evaluation.suggest import suggest_pairs, suggestion_lines
@@ -134,6 +134,10 @@ def run(cfg: DictConfig) -> dict:
                           "slot bias (>= 0; both_orders=auto needs at least 1)")
     if cfg.suggest_votes < 0:
         raise ConfigError(f"suggest_votes={cfg.suggest_votes}: a number of pairs, 0 for none")
+    # One checkpoint's board is not replaced by another's (crm-eval refuses its case the same way).
+    refuse_replacing(run_dir / "leaderboard.json", board_inputs(str(cfg.checkpoint), cfg.bench),
+                     lambda before: board_inputs(before.get("model"), before.get("bench")),
+                     f"give this board its own name= (name={cfg.name} is taken)")
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg, run_dir)
     try:
@@ -145,6 +149,10 @@ def run(cfg: DictConfig) -> dict:
     result.update(model=str(cfg.checkpoint), kind=scorer.kind,
                   sequences={k: int(v) for k, v in sorted(scorer.counts.items())},
                   wall_seconds=round(time.time() - started, 1))
+    if result["sequences"].get("shortened"):
+        log.warning("%d prompts had responses shortened to fit the CRM's %d tokens (judged on "
+                    "their start and end: leaderboard.json's sequences.shortened)",
+                    result["sequences"]["shortened"], scorer.encoder.max_tokens)
     if cfg.suggest_votes:
         pairs = suggest_pairs(selection, cfg.suggest_votes, cfg.interval.seed,
                               exclude=set(votes.used) if votes else set())
@@ -157,6 +165,10 @@ def run(cfg: DictConfig) -> dict:
     (run_dir / "leaderboard.md").write_text(markdown(result), encoding="utf-8")
     plot(result, run_dir / "leaderboard.png")
     return result
+
+
+def board_inputs(checkpoint, bench) -> dict:
+    return {"checkpoint": checkpoint, "bench": bench}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="leaderboard")

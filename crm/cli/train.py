@@ -3,6 +3,7 @@
 below: each group and section is the dataclass of the code that reads it (crm/cli/common.py)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
 from crm.data.demo import DemoConfig, demo_shard_dir, prepare_demo
 from crm.data.manifest import load_manifest
-from crm.data.reader import training_texts
+from crm.data.reader import iter_shard, training_texts
 from crm.data.stream import StreamConfig, StreamSettings
 from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
 from crm.evaluation.accuracy import evaluate_files
@@ -39,7 +40,7 @@ from crm.models.tokenizer import load_or_train_tokenizer
 from crm.training import checks
 from crm.training.callbacks import CheckpointCard, ExportBest, ModelSize, ShardingReport
 from crm.training.datamodule import CRMDataModule
-from crm.training.loggers import LoggerConfig, make_logger
+from crm.training.loggers import LoggerConfig, make_logger, plot_curves
 from crm.training.module import CRMModule, OptimConfig
 from crm.training.parallel import ParallelConfig
 from crm.training.preemption import Preemption
@@ -154,6 +155,7 @@ def train(cfg: DictConfig) -> dict | None:
     log_per_rank()
     run: TrainConfig = settings(cfg)
     check_config(cfg)
+    check_sweep()
     checks.check_trainer(run.trainer)
     benchmarks = read_benchmarks(run)
     resolved = resolve(run)
@@ -218,18 +220,59 @@ def train(cfg: DictConfig) -> dict | None:
             return None
         if "export" in callbacks:
             callbacks["export"].export(trainer, module)
-            if not metrics["preempted"] and run.evaluate and (run.data.test_files or benchmarks):
+            if not metrics["preempted"] and run.evaluate:
                 scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
+                metrics["shortcut_check"] = check_shortcuts(scorer, shard_dir)
                 if run.data.test_files:
                     metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
                 if benchmarks:
                     metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
                                                              trainer.global_step)
+        curves = run_dir / "csv" / "metrics.csv"
+        if run.logger.name == "csv" and curves.is_file():
+            plot_curves(curves)
         metrics["wall_seconds"] = round(time.time() - started, 1)
+        keep_earlier_figures(metrics["train"], run_dir / "metrics.json")
         write_json(run_dir / "metrics.json", metrics)
         return metrics
     finally:
         callbacks["preemption"].release()
+
+
+def check_shortcuts(scorer, shard_dir: Path) -> dict | None:
+    """The exported CRM on its own validation records (crm.evaluation.criteria_check): a
+    criteria-blind or slot-following model is a warning at the end of the run, which its
+    validation loss alone does not show."""
+    from crm.core.records import parse_train
+    from crm.evaluation.criteria_check import shortcut_check
+
+    manifest = load_manifest(shard_dir)
+    if "val" not in manifest.splits:
+        return None
+    records = (parse_train(obj) for shard in manifest.shards("val") for _, obj in iter_shard(shard.url))
+    result = shortcut_check(scorer, records)
+    for warning in (result or {}).get("warnings", []):
+        log.warning("the trained CRM is %s", warning)
+    return result
+
+
+def keep_earlier_figures(train: dict, earlier: Path) -> None:
+    """A finished run re-run resumes at its last step and trains none, so its throughput and
+    memory figures are empty: the process that trained to this step measured them, and they are
+    kept (`figures_from` says so) rather than replaced by nothing."""
+    if not earlier.is_file():
+        return
+    try:
+        before = json.loads(earlier.read_text(encoding="utf-8")).get("train") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    if before.get("global_step") != train["global_step"]:
+        return
+    kept = [key for key in ("throughput", "per_rank_memory") if not train[key] and before.get(key)]
+    for key in kept:
+        train[key] = before[key]
+    if kept:
+        train["figures_from"] = before.get("figures_from") or "an earlier process (this one trained no step)"
 
 
 def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger, step: int) -> dict:
@@ -280,6 +323,44 @@ def log_per_rank() -> None:
         root.removeHandler(handler)
         handler.close()
         root.addHandler(own)
+
+
+def check_sweep() -> None:
+    """A multirun's first job composes and checks every job's config as its own was: a typo in a
+    plain sweep value (`transform.ties=drop,kepp`) stops the sweep before job 0 trains, not after.
+    (Hydra's sweeper composes each job before it runs it, which finds a key or group that does
+    not exist, not a value its dataclass refuses.)"""
+    from hydra import compose
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+
+    from crm.cli.common import describe as describe_hydra_error
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.job.num != 0:
+        return
+    arguments = get_args_parser().parse_known_args(sys.argv[1:])[0].overrides
+    params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
+    try:
+        parsed = OverridesParser.create().parse_overrides(params + list(arguments))
+    except HydraException:
+        return  # not the command line the sweep came from (a launcher's own process)
+    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    if not jobs or sorted(jobs[0]) != sorted(hydra_cfg.overrides.task):
+        return  # the same: job 0 of another sweep is no guide to this one
+    for number, job in enumerate(jobs[1:], start=1):
+        overrides = [o for o in job if not o.lstrip("+~").startswith("hydra.")]
+        try:
+            job_cfg = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
+            settings(job_cfg)
+            check_config(job_cfg)
+        except (ValueError, HydraException) as exc:
+            reason = describe_hydra_error(exc) if isinstance(exc, HydraException) else exc
+            raise ConfigError(f"sweep job {number} ({' '.join(overrides)}), checked before job 0 "
+                              f"trains: {reason}") from None
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
+
+from crm.core.errors import ConfigError
 
 
 def write_json(path: str | Path, obj) -> Path:
@@ -13,9 +16,22 @@ def write_json(path: str | Path, obj) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(finite(obj), indent=1, ensure_ascii=False, allow_nan=False) + "\n",
+                   encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def finite(obj):
+    """`obj` with NaN and infinities as None: Python writes them as NaN and Infinity, which is not
+    JSON and most parsers refuse. A figure that can be undefined says why beside its null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def write_kept(content: str, directory: Path, name: str, keep: int) -> Path:
@@ -35,3 +51,30 @@ def _written(path: Path) -> int:
         return path.stat().st_mtime_ns
     except FileNotFoundError:  # deleted by a concurrent write
         return 0
+
+
+def refuse_replacing(path: str | Path, inputs: dict, earlier_inputs, allow: str) -> None:
+    """Results an earlier run wrote at `path` (a JSON document) are replaced only by a run of the
+    same inputs. `inputs` names this run's (checkpoint, data files, ...); `earlier_inputs` reads
+    the same keys from the earlier document. A key that differs is a ConfigError naming both
+    values and `allow`, the flag that lets this run write elsewhere or replace them: a researcher
+    re-running a command by habit must not lose another run's results without a word."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        before = None
+    earlier = earlier_inputs(before) if isinstance(before, dict) else {}
+    differ = [key for key, value in inputs.items() if earlier.get(key) != value]
+    if differ:
+        theirs = ", ".join(f"{k}={_shown(earlier.get(k))}" for k in differ)
+        ours = ", ".join(f"{k}={_shown(inputs[k])}" for k in differ)
+        raise ConfigError(f"{path.parent} holds the results of {theirs} (this run: {ours}): {allow}")
+
+
+def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)

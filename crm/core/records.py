@@ -364,8 +364,9 @@ def read_lines(path: str | Path, fmt: str | None = None,
     """
     path = str(path)
     file_fmt, fixed_by = fmt, "asked for"
+    seen_object = False
     # Binary, decoded line by line: a bad byte is a defect of its line, not a crash of the file.
-    with open(path, "rb") as handle:
+    with open_data(path) as handle:
         for number, raw in enumerate(handle, start=1):
             try:
                 text = raw.decode("utf-8-sig" if number == 1 else "utf-8").strip()  # BOM: editors add one
@@ -375,6 +376,11 @@ def read_lines(path: str | Path, fmt: str | None = None,
                 continue
             if not text:
                 continue
+            if not seen_object:  # a whole-file JSON document is one error, not a reject a line
+                seen_object = True
+                not_lines = whole_document(text)
+                if not_lines:
+                    raise RecordError(not_lines, path=path, line=number)
             try:
                 obj = _json(text)
             except RecordError as err:
@@ -383,6 +389,10 @@ def read_lines(path: str | Path, fmt: str | None = None,
             kind = line_format(obj)
             if kind and file_fmt is None:
                 file_fmt, fixed_by = kind, f"the format of line {number}"
+            elif kind and kind != file_fmt and fixed_by == "asked for":
+                raise RecordError(f"a {kind}-format record where {file_fmt}-format records are "
+                                  f"wanted ({FORMAT_FIELDS[file_fmt]}; docs/DESIGN.md section "
+                                  "3.1): this file is not one", path=path, line=number)
             elif kind and kind != file_fmt:
                 raise RecordError(f"a {kind}-format record in a {file_fmt}-format file ({fixed_by}): "
                                   "a file holds one format", path=path, line=number)
@@ -392,6 +402,52 @@ def read_lines(path: str | Path, fmt: str | None = None,
                 yield Line(path, number, text, error=err.at(path, number))
             else:
                 yield Line(path, number, text, record=record)
+
+
+FORMAT_FIELDS = {
+    "train": "human_winner, model_a, model_b, a_criteria, b_criteria and their topic ids",
+    "test": "the README format: idx, prompt, model_a, model_b, criteria, preference",
+    "bench": "idx, topic, prompt, responses"}
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_data(path: str | Path):
+    """`path` opened for reading bytes, a gzip file (`.jsonl.gz`, or any file that starts with
+    gzip's magic bytes) decompressed as it is read."""
+    with open(path, "rb") as probe:
+        magic = probe.read(2)
+    if magic == GZIP_MAGIC:
+        import gzip
+
+        return gzip.open(path, "rb")  # closing it closes the file (a GzipFile over a handle would not)
+    return open(path, "rb")
+
+
+def whole_document(first_line: str) -> str | None:
+    """What a file is when its first non-blank line shows one JSON document rather than JSON
+    lines (a pretty-printed array or object), with what to do; None for a JSON line."""
+    convert = "write one JSON object per line (`jq -c '.[]' FILE > FILE.jsonl` converts an array)"
+    if first_line == "[" or (first_line.startswith("[") and _is_array(first_line)):
+        return f"a JSON array, not JSON lines: {convert}"
+    if first_line == "{":
+        return f"a pretty-printed JSON object (one record over several lines), not JSON lines: {convert}"
+    return None
+
+
+def _is_array(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), list)
+    except (ValueError, RecursionError):
+        return False
+
+
+def fingerprint(obj) -> bytes:
+    """The same for two records that are the same JSON, whatever their key order or spacing: an
+    exact duplicate (a record twice weighs twice in training; in train and val, it leaks)."""
+    import hashlib
+
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def load_records(path: str | Path, fmt: str) -> list:

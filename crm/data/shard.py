@@ -17,7 +17,9 @@ from pathlib import Path
 
 from crm.core.records import BenchRecord, TestRecord, as_training, read_lines
 from crm.data.epoch_plan import even_split
-from crm.data.manifest import write_manifest
+from crm.core.errors import ConfigError
+from crm.core.files import refuse_replacing
+from crm.data.manifest import MANIFEST, write_manifest
 from crm.data.transforms import CriteriaPool
 
 TRAINING_FORMATS = ("train", "test")  # the test format is the README's training/test format
@@ -41,6 +43,18 @@ def balanced_sizes(n: int, max_size: int) -> list[int]:
     return even_split(n, math.ceil(n / max_size)) if n else []
 
 
+def check_out_dir(out: Path, inputs: list[str]) -> None:
+    """Shards of other inputs in `out` (104 records would silently become 30), or another
+    command's rejects.jsonl there (`crm-data criteria`'s output dir), are not replaced: a
+    ConfigError naming --overwrite. The same inputs re-shard in place."""
+    allow = "shard into another OUT_DIR, or --overwrite to replace them"
+    if (out / REJECTS).exists() and not (out / MANIFEST).exists():
+        raise ConfigError(f"{out} holds another command's {REJECTS} (`crm-data criteria` writes "
+                          f"one beside its train.jsonl) and no shards: {allow}")
+    refuse_replacing(out / MANIFEST, {"inputs": [str(p) for p in inputs]},
+                     lambda before: {"inputs": before.get("inputs")}, allow)
+
+
 def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tarfile.open(tmp, "w") as tar:
@@ -52,10 +66,13 @@ def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
 
 
 def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
-          shard_size: int = 5000, seed: int = 0, fmt: str | None = None) -> dict:
+          shard_size: int = 5000, seed: int = 0, fmt: str | None = None,
+          overwrite: bool = False) -> dict:
     """Write shards for `inputs`; returns the manifest. OSError if unreadable.
 
-    `fmt` ("train" or "test") names the inputs' format; None detects it per file.
+    `fmt` ("train" or "test") names the inputs' format; None detects it per file. `overwrite`
+    replaces shards of other inputs, or another command's rejects.jsonl, in `out_dir`
+    (`check_out_dir`).
     """
     if fmt not in (None, *TRAINING_FORMATS):
         raise ValueError(f"format {fmt!r}: shards hold one of {TRAINING_FORMATS}")
@@ -64,6 +81,8 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
     if shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: expected at least 1")
     out = Path(out_dir)
+    if not overwrite:
+        check_out_dir(out, inputs)
     out.mkdir(parents=True, exist_ok=True)
     kept = {s: [] for s in SPLITS}
     counts = {s: {"read": 0, "written": 0, "rejected": 0} for s in SPLITS}

@@ -69,7 +69,9 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
 def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[dict]]:
     """(metrics, one prediction dict per record) for a CRMScorer on test records."""
     labels = [eval_example(r).label for r in records]
+    shortened_before = scorer.counts.get("shortened", 0)
     given = scorer.pair_probabilities([eval_example(r) for r in records], unfit="nan")
+    shortened = scorer.counts.get("shortened", 0) - shortened_before
     if scorer.kind == "pointwise":
         # sigmoid(r_a - r_b) of rewards that do not depend on the order: the swap is exact.
         swapped = given.clone()
@@ -77,6 +79,8 @@ def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[
         swapped = unswap(scorer.pair_probabilities([eval_example(r, swapped=True) for r in records],
                                                    unfit="nan"))
     metrics = accuracy_metrics(labels, given, swapped, [r.topic for r in records])
+    # Prompts cut to fit, given order (a pointwise CRM's: responses): judged, but on less text.
+    metrics["shortened"] = shortened
     predictions = [
         {"idx": r.idx, "topic": r.topic, "preference": r.preference,
          "p_given": [round(x, 6) for x in g.tolist()], "p_swapped": [round(x, 6) for x in s.tolist()],

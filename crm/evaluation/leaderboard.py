@@ -20,6 +20,7 @@ rejected + outside the selected topics.
 """
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -27,11 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_A, LABEL_B, PairExample
 from crm.core.records import BenchRecord, RecordError, read_lines
 from crm.evaluation.accuracy import verdict
 from crm.evaluation.ppi import MIN_VOTES, CellData, Estimate, ppi_group, rank_sets
 from crm.evaluation.slot_bias import measure_slot_bias
+
+log = logging.getLogger(__name__)
 
 # The criteria-blind setting: what the reference leaderboard used for its crowd ranking. A CRM
 # reads it as "no particular taste": whatever preference it holds without criteria, which for a
@@ -149,23 +153,30 @@ def pairs(selection: Selection, criteria: Sequence[str]) -> list[tuple[str, str,
 
 
 def judge(scorer, selection: Selection, criteria: Sequence[str],
-          both_orders: bool = False) -> list[Outcome]:
+          both_orders: bool = False, unscorable: list[str] | None = None) -> list[Outcome]:
     """One outcome per (example, model): the model's response against the baseline's.
 
     The baseline sits in slot A, the model in slot B (`both_orders` also judges the swapped
-    order and averages the probabilities). A pair the length policy cannot fit is an error that
-    names it: a model must not lose (or win) an example by being too long to read.
+    order and averages the probabilities). A model must not lose (or win) an example by being
+    too long to read: a pair the length policy cannot fit is an error that names it, or, given
+    an `unscorable` list, its key goes there and its query is left out for every model (all
+    models are still ranked on the same examples).
     """
     owners = pairs(selection, criteria)
     examples = [e for _, _, e in owners]
     probs = scorer.pair_probabilities(examples, unfit="nan", both_orders=both_orders)
     unfit = [e.key for e, p in zip(examples, probs) if p.isnan().any()]
-    if unfit:
+    left_out = {idx for (idx, _, _), p in zip(owners, probs) if p.isnan().any()}
+    if unfit and unscorable is not None:
+        unscorable.extend(unfit)
+    elif unfit:
         raise ValueError(f"{selection.path}: {len(unfit)} pairs (benchmark idx/model) cannot fit "
                          f"in {scorer.encoder.max_tokens} tokens even with shortened responses: "
                          f"{', '.join(unfit[:5])}{' ...' if len(unfit) > 5 else ''}")
     outcomes = []
     for (idx, model, e), p in zip(owners, probs.tolist()):
+        if idx in left_out:
+            continue
         v = verdict(p)
         result = WIN if v == LABEL_B else LOSS if v == LABEL_A else TIE
         outcomes.append(Outcome(model, e.topic, result, p[LABEL_B], idx))
@@ -362,7 +373,16 @@ def kendall_tau(rows_a: list[dict], rows_b: list[dict]) -> dict:
 
     rank_b = {r["model"]: r["rank"] for r in rows_b}
     models = [r["model"] for r in rows_a]
-    tau, p_value = kendalltau([r["rank"] for r in rows_a], [rank_b[m] for m in models])
+    ranks_a, ranks_b = [r["rank"] for r in rows_a], [rank_b[m] for m in models]
+    # Undefined (NaN, which JSON has no word for) with fewer than two models or one ranking
+    # all ties: null, and the reason.
+    if len(models) < 2:
+        return {"tau": None, "p_value": None, "models": len(models),
+                "reason": "one model: no order to compare"}
+    if len(set(ranks_a)) < 2 or len(set(ranks_b)) < 2:
+        return {"tau": None, "p_value": None, "models": len(models),
+                "reason": "every model tied in one ranking: no order to compare"}
+    tau, p_value = kendalltau(ranks_a, ranks_b)
     return {"tau": round(float(tau), 4), "p_value": float(p_value), "models": len(models)}
 
 
@@ -377,12 +397,14 @@ class Board:
     method: str = "bootstrap"
     both_orders: bool = False
     slot_bias: dict | None = None
+    unscorable: dict | None = None  # pairs too long to fit, their queries left out (`judge`)
 
     def as_dict(self) -> dict:
         return {"label": self.label, "criteria": list(self.criteria), "rows": self.rows,
                 "interval_method": self.method,
                 "assumes": PPI_ASSUMES if self.method == "ppi" else CRM_IS_USER,
-                "both_orders": self.both_orders, "slot_bias": self.slot_bias}
+                "both_orders": self.both_orders, "slot_bias": self.slot_bias,
+                "unscorable": self.unscorable}
 
 
 def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "criteria",
@@ -397,10 +419,23 @@ def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "cr
         both_orders = bool(bias and bias["biased"])
     elif not isinstance(both_orders, bool):
         raise ValueError(f"both_orders={both_orders!r}: true, false or auto")
-    outcomes = judge(scorer, selection, criteria, both_orders=both_orders)
+    unfit: list[str] = []
+    outcomes = judge(scorer, selection, criteria, both_orders=both_orders, unscorable=unfit)
+    unscorable = None
+    if unfit:
+        keys = set(unfit)  # idx and model names may hold "/": the queries from the pairs
+        queries = {idx for idx, _, e in pairs(selection, criteria) if e.key in keys}
+        if not outcomes:
+            raise ConfigError(f"{selection.path}: no benchmark query fits in "
+                              f"{scorer.encoder.max_tokens} tokens under the {label} criteria, "
+                              "even with shortened responses: shorten the criteria")
+        unscorable = {"pairs": len(unfit), "queries": len(queries), "first": unfit[:5]}
+        log.warning("%s board: %d pairs (%d queries) cannot fit in %d tokens even with shortened "
+                    "responses: those queries are left out for every model (first: %s)", label,
+                    len(unfit), len(queries), scorer.encoder.max_tokens, ", ".join(unfit[:5]))
     return Board(label, tuple(criteria),
                  win_rates(outcomes, selection.models, selection.topics, interval, votes),
-                 interval_method(interval, votes), both_orders, bias)
+                 interval_method(interval, votes), both_orders, bias, unscorable)
 
 
 def leaderboard(scorer, selection: Selection, criteria: Sequence[str],

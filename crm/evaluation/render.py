@@ -75,6 +75,10 @@ def markdown(result: dict) -> str:
                      and result["both_orders"] is not True else "")]
         if slot_note(board):
             lines.append(f"**{slot_note(board)}**")
+        if board.get("unscorable"):
+            u = board["unscorable"]
+            lines.append(f"**{u['queries']} queries left out for every model: {u['pairs']} pairs "
+                         f"cannot fit the CRM's tokens (first: {', '.join(u['first'])})**")
         lines.append("")
         head = (["Rank", "Rank (UB)", "Rank set", "Model", "Overall", f"{100 * level:.0f}% CI"]
                 + (["Votes"] if board.get("interval_method") == "ppi" else [])
@@ -95,7 +99,8 @@ def markdown(result: dict) -> str:
     if "kendall_tau" in result:
         k = result["kendall_tau"]
         lines += ["", f"Kendall tau between the two rankings: **{k['tau']:+.3f}** "
-                      f"(p = {k['p_value']:.2g}, {k['models']} models)"]
+                      f"(p = {k['p_value']:.2g}, {k['models']} models)" if k["tau"] is not None
+                  else f"Kendall tau between the two rankings: none ({k['reason']})"]
     if result["rejects"]:
         lines += ["", f"Rejected benchmark lines ({len(result['rejects'])}):"]
         lines += [f"- {r['file']}:{r['line']}: {r['field']}: {r['reason']}"
@@ -121,8 +126,9 @@ def plot(result: dict, path: str | Path) -> Path:
     slope = len(boards) == 2
     widths = [3.2, max(2.4, 0.62 * len(topics))] + ([3.0] if slope else [])  # inches
     fig = plt.figure(figsize=(sum(widths) + 1.5, height * len(boards)), dpi=110)
+    # A lower board's title (two lines when its criteria wrap) clears the upper one's x label.
     grid = GridSpec(len(boards), len(widths), figure=fig, width_ratios=widths,
-                    wspace=0.12 + 0.08 * slope, hspace=0.55)
+                    wspace=0.12 + 0.08 * slope, hspace=0.55 + 1.1 / height)
     cmap = plt.get_cmap("RdYlGn")
     for b, board in enumerate(boards):
         rows = board["rows"]
@@ -187,13 +193,19 @@ def plot(result: dict, path: str | Path) -> Path:
         ax.set_yticks([])
         ax.spines[["top", "right", "left"]].set_visible(False)
         tau = result["kendall_tau"]["tau"]
-        ax.set_title(f"rank under each criteria set\nKendall tau = {tau:+.2f}", fontsize=10,
+        ax.set_title("rank under each criteria set\nKendall tau = "
+                     + (f"{tau:+.2f}" if tau is not None else "none"), fontsize=10,
                      fontweight="bold")
     counts = result["examples"]
+    # Above everything drawn, boards' titles included (at Matplotlib's default place it
+    # overprinted the first, more so when criteria wrap); the tight bounding box keeps it.
+    renderer = fig.canvas.get_renderer()
+    top = max(a.get_tightbbox(renderer).y1 for a in fig.axes) + 8  # pixels
     fig.suptitle(f"User-centric leaderboard: win rate against {result['baseline']} "
                  f"({counts['used']} examples, {len(topics)} topics) [rank set]\n"
-                 + " · ".join(_plot_note(b) for b in boards), x=0.01, ha="left",
-                 fontsize=12, fontweight="bold")
+                 + "\n".join(_plot_note(b) for b in boards), x=0.01, ha="left", va="bottom",
+                 y=fig.transFigure.inverted().transform((0, top))[1], fontsize=12,
+                 fontweight="bold")
     path = Path(path)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
@@ -203,6 +215,8 @@ def plot(result: dict, path: str | Path) -> Path:
 def _plot_note(board: dict) -> str:
     bias = board.get("slot_bias")
     slot = "; verdicts follow the slot" if bias and bias["biased"] else ""
+    # Which orders were judged: one order lets a slot-biased CRM decide the board.
+    slot += "; both orders averaged" if board.get("both_orders") else "; baseline in slot A only"
     if board.get("interval_method") == "ppi":
         votes = sum(r["overall"].get("votes", 0) for r in board["rows"])
         return f"{board['label']}: PPI intervals, {votes} of the user's votes{slot}"

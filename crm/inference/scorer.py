@@ -191,8 +191,8 @@ class CRMScorer:
             r_b = rewards[[index[(e.criteria, e.query, e.conv_b)] for e in examples]]
             p_a = torch.sigmoid(r_a - r_b)
             return torch.stack([p_a, 1 - p_a, torch.zeros_like(p_a)], dim=1)
-        encoded = self.encoder.pairwise_many([(e.criteria, e.query, e.conv_a, e.conv_b)
-                                              for e in examples])
+        encoded = self._fitted(self.encoder.fit_pairwise([(e.criteria, e.query, e.conv_a, e.conv_b)
+                                                           for e in examples]))
         self._check_fit(encoded, "pairs", unfit)
         rows = self._pairwise_rows(examples, encoded)
         probs = torch.full((len(examples), 3), float("nan"))
@@ -204,13 +204,19 @@ class CRMScorer:
         return probs
 
     def _rewards(self, items: Sequence[tuple], unfit: str) -> torch.Tensor:
-        encoded = self.encoder.pointwise_many(list(items))
+        encoded = self._fitted(self.encoder.fit_pointwise(list(items)))
         self._check_fit(encoded, "responses", unfit)
         rows = self._pointwise_rows(items, encoded)
         rewards = torch.full((len(items),), float("nan"))
         fits = torch.tensor([r is not None for r in rows], dtype=torch.bool)
         rewards[fits] = self._logits([r for r in rows if r is not None]).squeeze(-1)
         return rewards
+
+    def _fitted(self, fits: list) -> list:
+        """The prompts' token ids; those the length policy shortened to fit are counted
+        (`counts["shortened"]`): a verdict on a cut response is one a user should know of."""
+        self.counts["shortened"] += sum(f.ids is not None and f.shortened for f in fits)
+        return [f.ids for f in fits]
 
     def _check_fit(self, encoded: list, what: str, unfit: str) -> None:
         if unfit == "raise" and any(ids is None for ids in encoded):

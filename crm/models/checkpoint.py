@@ -35,6 +35,30 @@ def is_complete_checkpoint(path: str | Path) -> bool:
                               and (path / ".metadata").is_file())
 
 
+def not_loadable(path: str | Path) -> str | None:
+    """Why `path` is neither an export dir nor a checkpoint crm-train wrote, naming the path to
+    give instead (a run dir or its checkpoints/ is the usual slip); None when it is one."""
+    from crm.models.export import META
+
+    path = Path(path)
+    if (path / META).is_file() or is_complete_checkpoint(path):
+        return None
+    if not path.exists():
+        return "no such export directory or checkpoint"
+    run_dir = path.parent if path.name == "checkpoints" else path
+    export = run_dir / "export"
+    checkpoints = run_dir / "checkpoints"
+    found = sorted((c for c in checkpoints.glob("*") if c.name.endswith(".ckpt")
+                    and is_complete_checkpoint(c)), key=lambda c: (c.name != "last.ckpt", c.name))
+    use = ([f"checkpoint={export} (the export of the best checkpoint)"] if (export / META).is_file()
+           else []) + [f"checkpoint={c}" for c in found[:1]]
+    if not use:
+        return (f"neither an export directory ({META}) nor a checkpoint (a .ckpt file or an FSDP "
+                "sharded dir): give the export dir crm-train writes, outputs/<name>/export")
+    what = "a run's checkpoints dir" if path.name == "checkpoints" else "a run dir"
+    return f"{what}, not a checkpoint: give {' or '.join(use)}"
+
+
 def load_checkpoint(path: str | Path) -> dict:
     """A Lightning checkpoint as one dict: a single file, or a sharded (FSDP) dir consolidated.
 

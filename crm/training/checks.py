@@ -106,7 +106,8 @@ def check_attention(attention: str, compiled: bool) -> None:
 def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
     """Before the tokenizer is trained on them: shards with no training record are refused; a
     global batch larger than the data, a validation split too small to mean anything, a curriculum
-    warm-up as long as the run and a run dir that will be resumed are one warning line each."""
+    warm-up as long as the run, validation or save intervals past the run's last step and a run dir
+    that will be resumed are one warning line each."""
     from crm.data.manifest import load_manifest
 
     manifest = load_manifest(shard_dir)
@@ -134,6 +135,14 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
                     "whole run trains on direction %s, never %s; set direction.warmup_steps to a "
                     "fraction of the run", direction.name, direction.warmup_steps, steps,
                     direction.warmup, direction.then)
+    if steps and steps > 0 and run.val_every_n_steps > steps:
+        log.warning("val_every_n_steps=%d is past trainer.max_steps=%d: the run never validates "
+                    "(no val/loss; the export is the final weights, not the best); set it below, e.g. "
+                    "val_every_n_steps=%d", run.val_every_n_steps, steps, max(1, steps // 5))
+    if steps and steps > 0 and run.save_every_n_steps > steps:
+        log.warning("save_every_n_steps=%d is past trainer.max_steps=%d: no last.ckpt is saved "
+                    "while the run trains, so a crash resumes from nothing; set it below, e.g. "
+                    "save_every_n_steps=%d", run.save_every_n_steps, steps, max(1, steps // 5))
     last = run_dir / "checkpoints" / "last.ckpt"
     if run.resume == "auto" and last.exists():
         log.warning("name=%s: %s holds a checkpoint of an earlier run: this run resumes it "

@@ -80,3 +80,40 @@ class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):
             writer.metrics_keys = next(csv.reader(f), [])  # rows are appended under this header
         aside.replace(path)
         return writer
+
+
+def plot_curves(metrics_csv: Path) -> Path | None:
+    """`curves.png` beside the CSV logger's metrics.csv: loss and accuracy by optimizer step, train
+    and validation, so a run is read at a glance (None when there is no step to draw)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    with open(metrics_csv, newline="", encoding="utf-8") as handle:
+        for row in csv.DictReader(handle):
+            for name in ("train/loss", "val/loss", "train/acc", "val/acc"):
+                if row.get(name) and row.get("step"):
+                    series.setdefault(name, []).append((float(row["step"]), float(row[name])))
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in ("loss", "acc") if any(n.endswith(p) for n in series)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for split, style in (("train", "-"), ("val", "o-")):
+            points = sorted(series.get(f"{split}/{panel}", []))
+            if points:
+                ax.plot([s for s, _ in points], [v for _, v in points], style, ms=4, lw=1.2,
+                        label=split)
+        if panel == "acc":
+            ax.axhline(0.5, color="grey", lw=0.8, ls="--")  # chance on two labels
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel({"loss": "loss", "acc": "accuracy"}[panel])
+        ax.legend(fontsize=8)
+        ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    path = Path(metrics_csv).with_name("curves.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

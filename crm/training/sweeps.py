@@ -95,11 +95,13 @@ def table(runs: list[Run]) -> tuple[list[str], list[list]]:
 
 
 def markdown(header: list[str], rows: list[list]) -> str:
-    def fmt(v) -> str:
+    def fmt(name: str, v) -> str:
+        if name == "wall_s" and isinstance(v, (int, float)):
+            return f"{v:.1f}"  # seconds, measured to a tenth: not a four-place rate
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(h, v) for h, v in zip(header, row)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -111,15 +113,18 @@ def csv_text(header: list[str], rows: list[list]) -> str:
     return out.getvalue()
 
 
-def plot(header: list[str], rows: list[list], path: Path, n_axes: int) -> None:
-    """Grouped bars: one group per setting, one bar per test set's accuracy."""
+def plot(header: list[str], rows: list[list], path: Path, n_axes: int,
+         jobs: list[str] | None = None) -> None:
+    """Grouped bars: one group per setting, one bar per test set's accuracy. A setting with no
+    varied axis (one run left of a sweep whose others failed) is named by its job (`jobs`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sets = [h for h in header if h.startswith("acc/")]
-    labels = [", ".join(str(v) for v in row[:n_axes]) or f"run {i}" for i, row in enumerate(rows)]
+    jobs = jobs or [str(i) for i in range(len(rows))]
+    labels = [", ".join(str(v) for v in row[:n_axes]) or f"job {job}" for row, job in zip(rows, jobs)]
     width = 0.8 / max(1, len(sets))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * max(1, len(sets)) * 0.5), 4.2))
     for j, name in enumerate(sets):
@@ -128,11 +133,15 @@ def plot(header: list[str], rows: list[list], path: Path, n_axes: int) -> None:
         xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(rows))]
         bars = ax.bar(xs, values, width, label=name[4:])
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    if not sets:  # empty axes would look like a plotting failure
+        ax.text(0.5, 0.5, "no test-set accuracy: these runs evaluated no data.test_files",
+                ha="center", va="center", transform=ax.transAxes, color="#555")
     ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(rows)), labels, rotation=15 if len(rows) > 4 else 0)
     ax.set_ylim(0, 1.08)
     ax.set_ylabel("accuracy (mean of both orders)")
-    ax.legend(fontsize=8, ncols=min(4, len(sets)), loc="lower right")
+    if sets:
+        ax.legend(fontsize=8, ncols=min(4, len(sets)), loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -149,5 +158,6 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> di
     header, rows = table(runs)
     (out / "report.md").write_text(markdown(header, rows), encoding="utf-8")
     (out / "report.csv").write_text(csv_text(header, rows), encoding="utf-8")
-    plot(header, rows, out / "report.png", n_axes=len(varied_axes(runs)))
+    plot(header, rows, out / "report.png", n_axes=len(varied_axes(runs)),
+         jobs=[run.path.name for run in runs])
     return {"header": header, "rows": rows, "runs": len(runs), "skipped": skipped, "out_dir": str(out)}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, make_records, train_dict, write_shard_dir
+from helpers import free_port, make_records, refused, train_dict, write_shard_dir
 from vote_files import arena_55k_row, write_csv, write_parquet
 
 import crm.cli.eval
@@ -28,19 +28,6 @@ from crm.models.backbone import is_flash_attn_2_available
 BIN = Path(sys.executable).parent
 BENCH = [{"idx": str(i), "topic": ("cooking", "travel")[i % 2], "prompt": f"q{i}",
           "responses": {"base": f"b{i}", "other": f"o{i}"}} for i in range(4)]
-
-
-def refused(capsys, monkeypatch, main, *argv: str) -> str:
-    """`main()` as the console script `argv[0]` runs it: exit 2, one stderr line naming the
-    command, no traceback; returns that line."""
-    monkeypatch.setattr(sys, "argv", list(argv))
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert exit_info.value.code == 2, err
-    assert len(lines) == 1 and lines[0].startswith(f"{argv[0]}: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -192,7 +179,8 @@ def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, cap
 
     records = tmp_path / "train.jsonl"
     records.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(48)))
-    shard([str(records)], tmp_path / "shards", val_fraction=0.05)
+    counts = shard([str(records)], tmp_path / "shards", val_fraction=0.05)["splits"]
+    n_train, n_val = (counts[split]["counts"]["written"] for split in ("train", "val"))
     with initialize_config_module(version_base="1.3", config_module="crm_configs"):
         cfg = compose("train", overrides=["data=shards", f"data.path={tmp_path / 'shards'}",
                                           "trainer.max_steps=40", "name=mine"])
@@ -202,11 +190,14 @@ def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="crm.training.checks"):
         check_data_fits(settings(cfg), tmp_path / "shards", run_dir, world=1)
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 4 and all("\n" not in w for w in warnings)
-    assert "global_batch_size=64 is larger than the 47 training records" in warnings[0]
-    assert "the validation split holds 1 record(s)" in warnings[1]  # 5% of 48
+    assert len(warnings) == 6 and all("\n" not in w for w in warnings)
+    assert f"global_batch_size=64 is larger than the {n_train} training records" in warnings[0]
+    assert f"the validation split holds {n_val} record(s)" in warnings[1] and n_val < 5  # 5% of 48
     assert "warmup_steps=300 is not shorter than trainer.max_steps=40" in warnings[2]
-    assert "name=mine" in warnings[3] and "this run resumes it" in warnings[3]
+    assert warnings[3].startswith("val_every_n_steps=200 is past trainer.max_steps=40: the run "
+                                  "never validates")
+    assert warnings[4].startswith("save_every_n_steps=200 is past trainer.max_steps=40")
+    assert "name=mine" in warnings[5] and "this run resumes it" in warnings[5]
 
 
 def test_crm_rl_says_how_many_prompts_to_hold_out_before_loading_the_crm(tmp_path, capsys,
@@ -296,11 +287,12 @@ def test_crm_eval_keeps_another_runs_results_and_its_bars_off_a_log(root, capsys
     (taken / "metrics.json").write_text(json.dumps({"model": "outputs/a/export", "files": {}}))
     line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval", f"checkpoint={root}",
                    f"data.test=[{test}]")
-    assert line == (f"crm-eval: {taken} holds the results of checkpoint=outputs/a/export on other "
-                    "files, another benchmark or another checkpoint: give this evaluation its own "
-                    "name= (name=default is taken)")
+    assert line == (f"crm-eval: {taken} holds the results of checkpoint=outputs/a/export, "
+                    f"data.test=[] (this run: checkpoint={root}, data.test=[{test}]): give this "
+                    "evaluation its own name= (name=default is taken)")
     asked = {}
     monkeypatch.setattr(CRMScorer, "load", lambda path, **kwargs: asked.update(kwargs))
+    (root / "crm.json").write_text("{}")  # an export dir, as far as the check before loading goes
     load_scorer(ScorerSettings(checkpoint=str(root), batch_size=1, device="cpu", dtype="auto",
                                compile=False, prefix_reuse=True, progress=True))
     assert asked["progress"] is False  # stderr is no terminal here: a bar would garble the table

@@ -371,11 +371,14 @@ def test_a_file_mixing_formats_names_the_first_line_of_the_other_format(tmp_path
     # before any line names the format, a defective line is read as training data
     assert lines[0].error.field == ("preference" if fmt else "human_winner")
     assert lines[1].record.idx == "2"
-    origin = "the format of line 2" if fmt is None else "asked for"
-    assert str(info.value) == (f"{path}:4: a train-format record in a test-format file ({origin}): "
-                               "a file holds one format")
+    assert str(info.value) == (
+        f"{path}:4: a train-format record in a test-format file (the format of line 2): a file "
+        "holds one format" if fmt is None else
+        f"{path}:4: a train-format record where test-format records are wanted (the README "
+        "format: idx, prompt, model_a, model_b, criteria, preference; docs/DESIGN.md section "
+        "3.1): this file is not one")
     # A whole file in another format than the one asked for stops at its first line.
-    with pytest.raises(RecordError, match=r":2: a test-format record in a train-format file \(asked for\)"):
+    with pytest.raises(RecordError, match=r":2: a test-format record where train-format records are wanted"):
         list(read_lines(path, "train"))
     clean_start = tmp_path / "clean_start.jsonl"
     _write(clean_start, [line(make_test_obj(idx=2)), line(make_train_obj(idx=4))])

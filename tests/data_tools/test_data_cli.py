@@ -309,7 +309,8 @@ def test_shard_rerun_with_fewer_records_leaves_no_stale_shards(tmp_path, mixed, 
     many = tar_files(out)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(dumps(train_obj(i)) + "\n" for i in range(5)), encoding="utf-8")
-    assert run(capsys, "shard", small, out, "--val-fraction", "0.3", "--shard-size", "3")[0] == 0
+    assert run(capsys, "shard", small, out, "--val-fraction", "0.3", "--shard-size", "3",
+               "--overwrite")[0] == 0
     manifest = json.loads((out / "manifest.json").read_text())
     listed = {s["url"] for info in manifest["splits"].values() for s in info["shards"]}
     assert tar_files(out) == listed
@@ -429,7 +430,7 @@ def test_shard_refuses_a_file_of_mixed_formats_and_a_bench_file(tmp_path, capsys
     readme = tmp_path / "readme.jsonl"
     readme.write_text(dumps(readme_obj(0)) + "\n", encoding="utf-8")
     code, _, stderr = run(capsys, "shard", "--format", "train", readme, out)
-    assert code == 2 and f"{readme}:1: a test-format record in a train-format file (asked for)" in stderr
+    assert code == 2 and f"{readme}:1: a test-format record where train-format records are wanted" in stderr
     bench = tmp_path / "bench.jsonl"
     bench.write_text(dumps(bench_obj(0)) + "\n", encoding="utf-8")
     code, _, stderr = run(capsys, "shard", bench, out)
@@ -656,7 +657,7 @@ def test_flip_refuses_readme_format_and_its_own_input(tmp_path, capsys):
     readme = tmp_path / "readme.jsonl"
     readme.write_text(dumps(make_test_obj(1)) + "\n")
     code, _, err = run(capsys, "flip", readme, tmp_path / "out.jsonl")
-    assert code == 2 and "a test-format record in a train-format file" in err
+    assert code == 2 and "a test-format record where train-format records are wanted" in err
     assert not list(tmp_path.glob("out.jsonl*"))  # nothing half-written
     code, _, err = run(capsys, "flip", readme, readme)
     assert code == 2 and "the output would overwrite the input it reads" in err

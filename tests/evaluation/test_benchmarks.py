@@ -425,9 +425,11 @@ def test_crm_eval_scores_every_layout_in_one_multirun(length_crm, tmp_path):
     crm_eval = Path(sys.executable).with_name("crm-eval")
     done = subprocess.run(
         [str(crm_eval), "-m", f"checkpoint={export}", "benchmark=rewardbench2,rmbench,principles,pairs",
-         f"paths.root_dir={tmp_path}", "progress=false", f"hydra.sweep.dir={tmp_path}/sweep"],
+         f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/sweep"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+    # progress=true (the default), but stderr is a pipe: no bar glued into the log (issue 44)
+    assert "\r" not in done.stderr and "prompt/s" not in done.stderr
     runs = {json.loads((p / "metrics.json").read_text())["benchmark"]["benchmark"]: p
             for p in sorted((tmp_path / "sweep").iterdir()) if (p / "metrics.json").is_file()}
     assert sorted(runs) == ["pairs", "principles", "rewardbench2", "rmbench"]

@@ -169,3 +169,21 @@ def test_main_takes_checkpoint_and_the_deprecated_model(tmp_path, monkeypatch, c
         assert "test" in out and f"metrics: {run_dir}/metrics.json" in out
         assert ("model= is deprecated" in err) == (argument == "model")
         assert json.loads((run_dir / "metrics.json").read_text())["files"][str(path)]["n"] == 6
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "pointwise"])
+def test_responses_shortened_to_fit_are_counted(kind):
+    from crm.core.records import parse_test
+
+    def record(idx, words):
+        return parse_test({"idx": idx, "prompt": "q", "criteria": ["concise answer"],
+                           "preference": "model_a",
+                           "model_a": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": "alpha reply " * words}],
+                           "model_b": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": "beta reply"}]})
+
+    scorer = tiny_scorer(kind, num_labels=1 if kind == "pointwise" else 2, max_tokens=300)
+    metrics, _ = evaluate_records(scorer, [record(0, 400), record(1, 2), record(2, 401)])
+    assert metrics["shortened"] == 2 and metrics["unscorable"] == 0
+    assert "(2 shortened to fit)" in summary({"f.jsonl": metrics})

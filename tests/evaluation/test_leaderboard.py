@@ -19,6 +19,7 @@ from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE
                              bootstrap_intervals, judge, kendall_tau, leaderboard,
                              rank_upper_bounds, select, win_rates)
 from crm.evaluation.render import interval, markdown, plot
+from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_B
 
 
@@ -145,6 +146,21 @@ def test_kendall_tau_of_identical_and_reversed_rankings():
     assert kendall_tau(rows, one_swap)["tau"] == round(4 / 6, 4)  # (5 - 1) / 6 pairs
 
 
+def test_an_undefined_kendall_tau_is_null_with_its_reason_and_json_holds_no_nan(tmp_path):
+    """One model (or a ranking all ties) has no order: scipy's NaN would make leaderboard.json
+    invalid JSON for most parsers."""
+    from crm.core.files import write_json
+
+    alone = kendall_tau([{"model": "a", "rank": 1}], [{"model": "a", "rank": 1}])
+    assert alone == {"tau": None, "p_value": None, "models": 1,
+                     "reason": "one model: no order to compare"}
+    tied = [{"model": m, "rank": 1} for m in "ab"]
+    assert kendall_tau(tied, [{"model": "a", "rank": 1}, {"model": "b", "rank": 2}])["tau"] is None
+    written = write_json(tmp_path / "doc.json", {"tau": float("nan"), "rows": [float("inf"), 0.5]})
+    assert json.loads(written.read_text()) == {"tau": None, "rows": [None, 0.5]}
+    assert "NaN" not in written.read_text() and "Infinity" not in written.read_text()
+
+
 # -- selecting benchmark lines --------------------------------------------------------------------
 
 def test_topic_selection_counts_the_lines_left_out(tmp_path):
@@ -251,6 +267,13 @@ def test_a_long_criteria_title_stays_clear_of_the_heatmaps_label(tmp_path, monke
         label = heat._right_title.get_window_extent(renderer)
         assert not title.overlaps(label) and title.y0 > label.y0
         assert title.x1 <= heat.get_window_extent(renderer).x1  # wrapped within bars + heatmap
+    # The figure's title clears the first board's (it overprinted it), and says which orders
+    # were judged: one order lets a slot-biased CRM decide the board.
+    main = fig._suptitle.get_window_extent(renderer)
+    assert not main.overlaps(bars[0]._left_title.get_window_extent(renderer))
+    assert "baseline in slot A only" in fig._suptitle.get_text()
+    lower_title = bars[1]._left_title.get_window_extent(renderer)
+    assert not lower_title.overlaps(bars[0].xaxis.label.get_window_extent(renderer))
 
 
 def test_prefix_reuse_gives_the_same_leaderboard(tmp_path):
@@ -275,6 +298,29 @@ def test_a_pair_too_long_to_fit_is_an_error_that_names_it(tmp_path):
         bench_line(0, "t", {"base": "alpha", "m1": "beta", "m2": turns})])
     with pytest.raises(ValueError, match="1 pairs .* cannot fit in 300 tokens .*: 0/m2$"):
         judge(tiny_scorer(max_tokens=300), select(path, "base"), ["concise answer"])
+
+
+def test_a_board_leaves_out_a_query_too_long_to_fit_for_every_model_and_counts_it(tmp_path):
+    """crm-leaderboard's board: counted unscorable (as crm-eval counts a test pair), the query
+    left out for every model so all are ranked on the same examples; none fitting is one line."""
+    turns = [{"role": "user", "content": "question 0"}]
+    turns += [{"role": r, "content": "beta reply " * 20} for _ in range(20)
+              for r in ("assistant", "user")][:-1]
+    path = write_bench(tmp_path / "bench.jsonl", [
+        bench_line(0, "t", {"base": "alpha", "m1": "beta", "m2": turns}),
+        bench_line(1, "t", {"base": "alpha", "m1": "beta", "m2": "beta two"})])
+    scorer = tiny_scorer(max_tokens=300)
+    doc = leaderboard(scorer, select(path, "base"), ["concise answer"])
+    (board,) = doc["boards"]
+    assert board["unscorable"] == {"pairs": 1, "queries": 1, "first": ["0/m2"]}
+    assert [r["overall"]["n"] for r in board["rows"]] == [1, 1]
+    assert ("1 queries left out for every model: 1 pairs cannot fit the CRM's tokens (first: 0/m2)"
+            in markdown(doc))
+    only_long = write_bench(tmp_path / "long.jsonl", [
+        bench_line(0, "t", {"base": "alpha", "m1": turns, "m2": turns})])
+    with pytest.raises(ConfigError, match="no benchmark query fits in 300 tokens under the "
+                                          "criteria criteria.*: shorten the criteria$"):
+        leaderboard(scorer, select(only_long, "base"), ["concise answer"])
 
 
 def test_a_pointwise_model_scores_each_baseline_response_once(tmp_path):

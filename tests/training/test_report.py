@@ -61,9 +61,9 @@ def test_cli_writes_markdown_csv_and_plot(sweep, capsys):
     assert (sweep / "report.md").read_text() == (
         "| loss | seed | acc/contradictory | acc/in_distribution | flip_rate | steps | wall_s |\n"
         "|---|---|---|---|---|---|---|\n"
-        "| cls |  | 0.9800 | 0.9900 | 0.0100 | 700 | 250.5000 |\n"
-        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 700 | 301.0000 |\n"
-        "| ranking | 1 | 0.5000 |  | 0.1000 | 20 | 9.0000 |\n")
+        "| cls |  | 0.9800 | 0.9900 | 0.0100 | 700 | 250.5 |\n"
+        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 700 | 301.0 |\n"
+        "| ranking | 1 | 0.5000 |  | 0.1000 | 20 | 9.0 |\n")
     assert (sweep / "report.csv").read_text().splitlines()[1] == "cls,,0.98,0.99,0.01,700,250.5"
     assert (sweep / "report.png").stat().st_size > 5000
     assert "3 runs" in capsys.readouterr().out
@@ -162,3 +162,21 @@ def test_a_cpu_sweep_reports_the_benchmarks_its_runs_scored(demo_root, tmp_path)
                                        "rmbench/normal_acc", "rmbench/easy_acc"]
     assert rows[0][start] == round(pairs["accuracy"], 4)
     assert rows[1][0] == "ranking" and rows[1][start:start + 4] == [0.25, 0.0, "", ""]
+
+
+def test_a_sweep_whose_other_job_failed_names_the_run_by_its_job_and_says_why_no_bars(
+        tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "multirun" / "ties"
+    fake_run(root, 0, ["transform.ties=drop"], {}, 20, 9.0)  # no test files evaluated
+    (root / "1" / ".hydra").mkdir(parents=True)  # job 1 failed: no metrics.json
+    (root / "1" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["transform.ties=keep"]))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its texts
+    assert report_main([str(root)]) == 0
+    (fig,) = figures
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["job 0"]  # it read "run 0"
+    assert [t.get_text() for t in ax.texts] == [
+        "no test-set accuracy: these runs evaluated no data.test_files"]

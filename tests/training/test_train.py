@@ -235,6 +235,11 @@ def test_user_shards_train(tmp_path, recwarn, caplog, capsys):
     assert metrics["train"]["global_step"] == 2
     assert math.isfinite(metrics["train"]["best_val_loss"])
     assert "eval" not in metrics  # data.test_files is empty for user shards
+    # Two steps from random init learn a shortcut, and the end of the run says so (issue 44).
+    check = metrics["shortcut_check"]
+    assert check["records"] >= 4 and check["same_verdict_under_both_criteria"] == 1.0
+    assert [w.split(":")[0] for w in check["warnings"]][:1] == ["criteria-blind"]
+    assert "the trained CRM is criteria-blind: " in caplog.text
     assert (run_dir / "export" / "model.safetensors").is_file()
     assert not (tmp_path / ".cache").exists()  # nothing of the demo was generated
     # A newcomer's log: none of the warnings known to be harmless (crm.training.trainer
@@ -274,6 +279,7 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
             assert 0.0 <= m[field] <= 1.0, (path, field, m[field])
     header = (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"train/loss", "val/loss", "step"} <= set(header)
+    assert (run_dir / "csv" / "curves.png").stat().st_size > 10_000  # the curves beside the CSV
 
     export = run_dir / "export"
     meta = json.loads((export / "crm.json").read_text())
