@@ -78,20 +78,25 @@ def _benchmark_figure(run: Run, column: str):
 
 def table(runs: list[Run]) -> tuple[list[str], list[list]]:
     """(header, rows): axes, accuracy (mean of both orders) per test set, the benchmarks'
-    figures, mean flip rate, steps, wall seconds. A value a run lacks is empty."""
+    figures, flip rate per test set (each column names its file: position bias differs by set),
+    steps, wall seconds. A value a run lacks is empty."""
     axes, sets, benchmarks = varied_axes(runs), test_sets(runs), benchmark_columns(runs)
-    header = axes + [f"acc/{s}" for s in sets] + benchmarks + ["flip_rate", "steps", "wall_s"]
+    header = (axes + [f"acc/{s}" for s in sets] + benchmarks + [f"flip/{s}" for s in sets]
+              + ["steps", "wall_s"])
     rows = []
     for run in runs:
         by_set = {Path(p).stem: m for p, m in run.metrics.get("eval", {}).items()}
-        flips = [m["flip_rate"] for m in by_set.values() if m.get("flip_rate") is not None]
         train = run.metrics.get("train", {})
         rows.append([run.overrides.get(a, "") for a in axes]
                     + [by_set.get(s, {}).get("accuracy_mean", "") for s in sets]
                     + [_benchmark_figure(run, column) for column in benchmarks]
-                    + [round(sum(flips) / len(flips), 4) if flips else "",
-                       train.get("global_step", ""), run.metrics.get("wall_seconds", "")])
+                    + [_figure(by_set.get(s, {}).get("flip_rate")) for s in sets]
+                    + [train.get("global_step", ""), run.metrics.get("wall_seconds", "")])
     return header, rows
+
+
+def _figure(value) -> float | str:
+    return "" if value is None else round(value, 4)
 
 
 def markdown(header: list[str], rows: list[list]) -> str:

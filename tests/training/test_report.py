@@ -48,23 +48,24 @@ def sweep(tmp_path) -> Path:
 def test_table_has_the_varied_axes_and_every_test_set(sweep):
     runs, skipped = read_runs(sweep)
     header, rows = table(runs)
-    assert header == ["loss", "seed", "acc/contradictory", "acc/in_distribution", "flip_rate",
-                      "steps", "wall_s"]
-    assert rows == [["cls", "", 0.98, 0.99, 0.01, 700, 250.5],
-                    ["ranking", "", 0.9, 0.95, 0.0, 700, 301.0],
-                    ["ranking", "1", 0.5, "", 0.1, 20, 9.0]]
+    assert header == ["loss", "seed", "acc/contradictory", "acc/in_distribution", "flip/contradictory",
+                      "flip/in_distribution", "steps", "wall_s"]
+    assert rows == [["cls", "", 0.98, 0.99, 0.02, 0.0, 700, 250.5],
+                    ["ranking", "", 0.9, 0.95, 0.0, 0.0, 700, 301.0],
+                    ["ranking", "1", 0.5, "", 0.1, "", 20, 9.0]]
     assert len(skipped) == 1 and "no metrics.json" in skipped[0]
 
 
 def test_cli_writes_markdown_csv_and_plot(sweep, capsys):
     assert report_main([str(sweep)]) == 0
     assert (sweep / "report.md").read_text() == (
-        "| loss | seed | acc/contradictory | acc/in_distribution | flip_rate | steps | wall_s |\n"
-        "|---|---|---|---|---|---|---|\n"
-        "| cls |  | 0.9800 | 0.9900 | 0.0100 | 700 | 250.5 |\n"
-        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 700 | 301.0 |\n"
-        "| ranking | 1 | 0.5000 |  | 0.1000 | 20 | 9.0 |\n")
-    assert (sweep / "report.csv").read_text().splitlines()[1] == "cls,,0.98,0.99,0.01,700,250.5"
+        "| loss | seed | acc/contradictory | acc/in_distribution | flip/contradictory "
+        "| flip/in_distribution | steps | wall_s |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        "| cls |  | 0.9800 | 0.9900 | 0.0200 | 0.0000 | 700 | 250.5 |\n"
+        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 0.0000 | 700 | 301.0 |\n"
+        "| ranking | 1 | 0.5000 |  | 0.1000 |  | 20 | 9.0 |\n")
+    assert (sweep / "report.csv").read_text().splitlines()[1] == "cls,,0.98,0.99,0.02,0.0,700,250.5"
     assert (sweep / "report.png").stat().st_size > 5000
     assert "3 runs" in capsys.readouterr().out
 
