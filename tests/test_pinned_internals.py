@@ -9,7 +9,7 @@ an upgrade that renames or bypasses one fails here instead of silently doing not
 - Gradio: Blocks.queue's arguments and Blocks.validate_inputs, looked up on the instance
   (crm.app.page);
 - Hydra: hydra._internal.utils.run_and_report, looked up by name when a command runs
-  (crm.cli.common.install).
+  (crm.cli.errors.install).
 """
 from __future__ import annotations
 

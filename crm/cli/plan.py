@@ -22,11 +22,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
+from crm.cli.errors import one_line_config_errors
+from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
-from crm.models.factory import ModelConfig
-from crm.models.lora import LoraConfig
+from crm.models.config import LoraConfig, ModelConfig
 from crm.perf.flops import ModelShape, flops_per_token, model_shape, peak_flops, tokens_per_s_at
 from crm.perf.memory import (PRECISIONS, ROWS_PER_RECORD, STRATEGIES, decoder_linears, host_startup_plan,
                              lora_parameters, memory_plan, process_group_timeout_minutes,

@@ -497,7 +497,8 @@ def test_crm_plan_network_table_and_recommend(tmp_path, capsys):
 
 def test_lora_plan_counts_peft_and_fits_one_gpu_as_the_issue_asks(shapes, tmp_path, capsys):
     from crm.models.factory import LossConfig, ModelConfig, build_crm
-    from crm.models.lora import DECODER_LINEARS, LoraConfig, trainable_counts
+    from crm.models.config import DECODER_LINEARS, LoraConfig
+    from crm.models.lora import trainable_counts
     from crm.perf.memory import lora_parameters
 
     # The plan's count of what LoRA trains is peft's (a meta-device build).

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 
 import crm.cli.plan as plan_cli
 import crm.cli.train as train_cli
-from crm.cli.common import settings
+from crm.cli.schema import settings
 from crm.perf import flops
 from crm.perf.memory import PLANNED_PROMPT_SHARE
 from crm.training import resolve as resolving
