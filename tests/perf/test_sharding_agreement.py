@@ -13,10 +13,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-import crm.cli.plan as plan_cli
+import crm.cli.plan  # noqa: F401  (registers the schema)
 import crm.cli.train as train_cli
 from crm.cli.schema import settings
 from crm.perf import flops
+from crm.perf import plan as planning
 from crm.perf.memory import PLANNED_PROMPT_SHARE
 from crm.training import resolve as resolving
 
@@ -80,7 +81,7 @@ def test_crm_train_and_crm_plan_choose_the_same_sharding_on_a_grid(an_80_gib_gpu
         plan = replace(plan, seq_len=tokens, packing=packing, micro_batch_size=micro,
                        activation_checkpointing=checkpointing)
         by_train = resolving.choose_sharding(run, None, micro, True, packing, nodes, DEVICES)
-        by_plan = plan_cli.resolve_sharding(flops.model_shape(plan.model, plan.kind), plan, nodes,
+        by_plan = planning.resolve_sharding(flops.model_shape(plan.model, plan.kind), plan, nodes,
                                             DEVICES)
         assert by_train == by_plan, (model, nodes, micro, tokens, packing, checkpointing)
         choices[by_train] += 1
