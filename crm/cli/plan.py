@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,8 +27,9 @@ from crm.cli.errors import one_line_config_errors
 from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
-from crm.models.config import LoraConfig, ModelConfig
+from crm.models.config import LoraConfig, LossConfig, ModelConfig
 from crm.perf.scoring import ScoreSettings
+from crm.training.config import ParallelConfig
 
 
 @dataclass
@@ -92,6 +94,32 @@ class PlanConfig:
 
 
 register_schema("plan", PlanConfig)
+
+
+def planned_run(run: PlanConfig) -> SimpleNamespace:
+    """What crm-train's `resolve` (crm.training.resolve) reads of a run, as this plan states it:
+    crm-plan asks `resolve` the question crm-train asks at start, for the GPU node it plans, and
+    prints its answer (`resolved`), the record crm-train keeps. A plan without a global batch runs
+    one micro batch per optimizer step; the head is pairwise's two labels (transform.ties=drop)."""
+    world = run.trainer.num_nodes * run.trainer.devices
+    return SimpleNamespace(
+        trainer={"accelerator": "gpu", "devices": run.trainer.devices,
+                 "num_nodes": run.trainer.num_nodes, "strategy": run.strategy},
+        compile=run.compile, model=run.model, loss=LossConfig(kind=run.kind),
+        stream=SimpleNamespace(packing=run.packing, max_tokens=run.seq_len),
+        global_batch_size=run.global_batch_size or run.micro_batch_size * world,
+        micro_batch_size=run.micro_batch_size, max_micro_batch_size=run.max_micro_batch_size,
+        parallel=ParallelConfig(activation_checkpointing=run.activation_checkpointing,
+                                sharding=run.sharding, grad_sync=run.grad_sync),
+        lora=run.lora, transform=SimpleNamespace(num_labels=2))
+
+
+def planned_resolution(run: PlanConfig) -> dict:
+    """crm.training.resolve.resolve's record for the planned run on a GPU of `gpu_memory_gib`."""
+    from crm.training.resolve import Environment, resolve
+
+    node = Environment(device="cuda", gpu_memory_gib=run.gpu_memory_gib, this_machine=False)
+    return resolve(planned_run(run), node).record()
 
 
 def share_note(t: dict) -> str:
@@ -239,6 +267,11 @@ def format_plan(p: dict) -> str:
             f"{net['compute_mfu']:g} MFU; exposed communication {net['exposed_seconds_per_step']:.4f} s "
             f"per step; predicted step {net['step_seconds']:.3f} s, MFU {net['mfu']:.3f}",
         ]
+    if "resolved" in p:  # what crm-train records as `resolved` for this run on such a node
+        r = p["resolved"]
+        lines += ["", "resolved (crm.training.resolve, what crm-train records for this run): "
+                  + ", ".join(f"{key} {value}" for key, value in r.items() if key != "lora")
+                  + (f", lora {r['lora']['trainable_parameters']:,} trained" if r["lora"] else "")]
     return "\n".join(lines)
 
 
@@ -282,7 +315,7 @@ def main(cfg: DictConfig) -> None:
         print("recommend: " + " ".join(result["overrides"]))  # launch/train.sbatch reads this line
         return
     else:
-        result = planning.train_plan(run)
+        result = {**planning.train_plan(run), "resolved": planned_resolution(run)}
         write_json(path, result)
         print(format_plan(result))
     print(f"plan: {path}")

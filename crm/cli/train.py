@@ -156,9 +156,8 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.datamodule import CRMDataModule
     from crm.training.loggers import make_logger
     from crm.training.module import CRMModule
-    from crm.training.resolve import resolve
-    from crm.training.trainer import (AgreedResume, device_type, leave_process_group,
-                                      make_trainer, resolve_resume, world_size)
+    from crm.training.resolve import device_type, resolve, world_size
+    from crm.training.trainer import AgreedResume, leave_process_group, make_trainer, resolve_resume
 
     resolved = resolve(run)
     shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
@@ -338,7 +337,7 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bo
     from crm.training.preemption import Preemption
     from crm.training.progress import progress_bar
     from crm.training.throughput import Throughput
-    from crm.training.trainer import device_type
+    from crm.training.resolve import device_type
 
     ckpt_dir = run_dir / "checkpoints"
     callbacks = {

@@ -258,7 +258,7 @@ def test_lightnings_advert_is_dropped_and_one_cpu_device_logs_no_sharding(caplog
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     from crm.training.parallel import ParallelConfig
-    from crm.training.trainer import resolve_sharding
+    from crm.training.resolve import resolve_sharding
 
     seen = []
     handler = logging.Handler()
@@ -271,7 +271,7 @@ def test_lightnings_advert_is_dropped_and_one_cpu_device_logs_no_sharding(caplog
     finally:
         logger.removeHandler(handler)
     assert seen == ["GPU available: False"]
-    with caplog.at_level(logging.INFO, logger="crm.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="crm.training.resolve"):
         chosen = resolve_sharding(ParallelConfig(), {"accelerator": "cpu", "devices": 1},
                                   lambda nodes, ranks: "hsdp")
     assert chosen.sharding == "fsdp" and "parallel.sharding" not in caplog.text

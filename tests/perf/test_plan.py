@@ -283,6 +283,8 @@ def test_crm_plan_writes_plan_json_for_every_model_size(model, tmp_path, capsys)
     out = capsys.readouterr().out
     assert f"crm-plan: {model} pairwise, 1 node(s) x 8 GPUs" in out and "fits: yes" in out
     assert plan["model"]["name"] == model and plan["memory"]["world"] == 8
+    # what crm-train would record for this run (crm.training.resolve), printed and written
+    assert plan["resolved"]["sharding"] == plan["sharding"] and "resolved (crm.training.resolve" in out
     assert plan["memory"]["fits"] is True
     assert plan["flops"]["train_per_token"] == pytest.approx(3 * plan["flops"]["forward_per_token"])
     assert plan["flops"]["tokens_per_s_per_gpu"] == pytest.approx(

@@ -30,7 +30,7 @@ from crm.core.errors import ConfigError
 from crm.cli.schema import settings
 from crm.cli.train import train, transform_config
 from crm.training.module import CRMModule, OptimConfig
-from crm.training.trainer import batch_plan, world_size
+from crm.training.resolve import batch_plan, world_size
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.data.padding import pad_rows
 from crm.core.records import Message
