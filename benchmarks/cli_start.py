@@ -27,6 +27,8 @@ HEAVY = ("torch", "lightning", "transformers", "torchmetrics", "peft", "scipy", 
 MISSING = "/nonexistent/crm-cli-start"
 
 # script -> (its module, a composition error, a start check's refusal); None: not a Hydra command.
+# crm-train's refusals that need a library are timed apart (LIBRARY_CHECKS): its `trainer` keys are
+# checked against Lightning's Trainer, `stream.packing` by the resolution, after that check.
 COMMANDS = {
     "crm-train": ("crm.cli.train", ["trainer.max_stepz=3"], [f"model.path={MISSING}"]),
     "crm-eval": ("crm.cli.eval", ["batch_sise=3"],
@@ -39,6 +41,8 @@ COMMANDS = {
     "crm-export": ("crm.cli.export", None, None),
     "crm-report": ("crm.cli.report", None, None),
 }
+LIBRARY_CHECKS = {"crm-train": {"trainer_value": ["trainer.max_steps=ten"],
+                                "packing_value": ["stream.packing=1"]}}
 
 
 def timed(argv: list[str], cwd: Path, repeat: int) -> dict:
@@ -91,6 +95,8 @@ def main() -> None:
                 row["start_check"] = timed([exe, *refusal], cwd, args.repeat)
             else:  # argparse: a missing argument
                 row["usage_error"] = timed([exe], cwd, args.repeat)
+            for name, argv in LIBRARY_CHECKS.get(script, {}).items():
+                row[f"start_check_{name}"] = timed([exe, *argv], cwd, args.repeat)
             result["commands"][script] = row
             print(f"{script}: {json.dumps(row)}", file=sys.stderr)
     result["loadavg_before"] = [round(x, 2) for x in load_before]

@@ -14,6 +14,13 @@ from crm.core.prompts import PromptTemplate
 MODES = ("pairwise", "pointwise")
 
 
+def check_packing(setting) -> None:
+    """`stream.packing` is auto, true or false: 0, 1 and 1.0 equal false and true in Python, and
+    are refused as the other wrong values are (crm.models.packing.decide resolves auto)."""
+    if not (setting is True or setting is False or setting == "auto"):
+        raise ValueError(f"stream.packing={setting!r}: expected auto, true or false")
+
+
 @dataclass(frozen=True)
 class StreamSettings:
     """What a user sets: crm-train's `stream` section (configs/train.yaml) is this dataclass."""
@@ -25,6 +32,9 @@ class StreamSettings:
     num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
     packing: Any = "auto"  # auto | true | false: a batch is one row of its records' real tokens
     # (crm.data.packing); auto is resolved for the run's device by crm.models.packing.decide
+
+    def __post_init__(self):
+        check_packing(self.packing)  # at composition: before torch loads
 
 
 @dataclass(frozen=True, kw_only=True)
