@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 import crm_configs
-from crm.cli.common import benchmark_config
+from crm.cli.schema import benchmark_config
 from crm.core.prompts import PromptTemplate
 from crm.core.records import read_lines
 from crm.data.demo import write_demo

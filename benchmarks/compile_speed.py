@@ -28,7 +28,7 @@ from crm.data.demo import write_demo
 from crm.data.manifest import load_manifest
 from crm.data.reader import training_texts
 from crm.data.shard import shard
-from crm.data.stream import StreamConfig
+from crm.data.config import StreamConfig
 from crm.data.transforms import TransformConfig
 from crm.models.compile import compile_layers, compile_stats
 from crm.models.factory import LossConfig, ModelConfig, build_crm

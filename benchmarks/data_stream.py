@@ -16,7 +16,8 @@ import time
 from dataclasses import replace
 
 from crm.data.manifest import load_manifest
-from crm.data.stream import PairStream, StreamConfig, StreamLoader
+from crm.data.config import StreamConfig
+from crm.data.stream import PairStream, StreamLoader
 from crm.models.tokenizer import train_bpe_tokenizer
 from crm.core.records import read_lines
 from crm.data.transforms import TransformConfig

@@ -49,7 +49,7 @@ from crm.data.demo import write_demo
 from crm.data.manifest import load_manifest
 from crm.data.reader import iter_shard
 from crm.data.shard import shard
-from crm.data.stream import StreamConfig
+from crm.data.config import StreamConfig
 from crm.data.transforms import TransformConfig, record_rng, train_example
 from crm.models.backbone import ARCHITECTURES
 from crm.models.factory import LossConfig, ModelConfig, build_crm

@@ -75,11 +75,39 @@ def test_imports_point_down_the_layers():
     assert not wrong, "\n".join(wrong)
 
 
+# What several entry points share, each module one concern (docs/DESIGN.md section 1).
+CLI_SHARED = ("crm.cli.schema", "crm.cli.errors", "crm.cli.scorer")
+
+
 def test_an_entry_point_imports_no_other_one():
     for path in REPO.glob("crm/cli/*.py"):
         others = [m for _, m in imported_modules(path)
-                  if m.startswith("crm.cli.") and not m.startswith("crm.cli.common")]
+                  if m.startswith("crm.cli.")
+                  and not any(m == shared or m.startswith(shared + ".") for shared in CLI_SHARED)]
         assert not others, f"{path.name}: {others}"
+
+
+# The libraries a console script must not load before its config is composed and checked: its
+# `--help` and a refused setting answer in about a second (benchmarks/cli_start.py), then the work
+# loads what it needs.
+HEAVY = ("torch", "lightning", "transformers", "torchmetrics", "peft", "scipy")
+
+
+def test_importing_a_console_script_loads_no_heavy_library():
+    """Every entry point of setup.py imported in one fresh interpreter: none of HEAVY is loaded.
+    What a command's start needs (its schema and its checks) lives in torch-free modules."""
+    from importlib.metadata import distribution
+
+    modules = sorted({e.value.split(":")[0] for e in distribution("crm").entry_points
+                      if e.group == "console_scripts"})
+    probe = ("import importlib, json, sys\n"
+             f"for m in {modules!r}: importlib.import_module(m)\n"
+             f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "crm.cli.train" in modules and "crm.cli.rl" in modules
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
 
 
 # Run in a fresh interpreter: what each step has imported so far. The commands run as their

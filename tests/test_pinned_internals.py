@@ -10,7 +10,7 @@ an upgrade that renames or bypasses one fails here instead of silently doing not
   (crm.app.page); the queue's and the state holder's per-session stores that crm.app.guards'
   Sessions drops;
 - Hydra: hydra._internal.utils.run_and_report, looked up by name when a command runs
-  (crm.cli.common.install).
+  (crm.cli.errors.install).
 """
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ from crm.evaluation.leaderboard import (Bootstrap, Outcome, Selection, interval_
 from crm.core.records import RecordError
 from crm.evaluation.suggest import suggest_pairs, suggestion_lines
 from crm.evaluation.votes import read_votes
-from crm.models.export import META, read_meta
 
 Progress = Callable[[int, int], None]  # (queries judged, queries in all)
 PROGRESS_STEPS = 10  # a board is judged in this many slices, reporting after each
@@ -110,6 +109,9 @@ class Choice:
 def version(checkpoint: str | Path, crm_fingerprint: str, bench_fingerprint: str) -> str:
     """The CRM's identity as people read it: its run and name, the training step an export
     records, a short hash; and the benchmark's short hash."""
+    # Here, not at the top: crm-usl reads `Limits` above to compose its config, before torch loads.
+    from crm.models.export import META, read_meta
+
     path = Path(checkpoint)
     step = read_meta(path).get("global_step") if (path / META).is_file() else None
     name = f"{path.parent.name}/{path.name}"

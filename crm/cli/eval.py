@@ -21,12 +21,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, close_scorer,
-                            load_scorer, one_line_config_errors, register_schema, settings)
+from crm.cli.errors import one_line_config_errors
+from crm.cli.schema import PathsConfig, register_schema, settings
+from crm.cli.scorer import ScorerSettings, checkpoint_argument, close_scorer, load_scorer
 from crm.core.errors import ConfigError
 from crm.core.files import refuse_replacing, write_json
 from crm.core.records import load_records
-from crm.evaluation.accuracy import evaluate_files
 from crm.evaluation.benchmarks import (BenchmarkConfig, criteria_override, describe,
                                        load_benchmark, run_benchmark)
 
@@ -77,6 +77,8 @@ def evaluate(cfg: DictConfig) -> dict:
     check_not_another_run(run_dir / "metrics.json", cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     scorer = load_scorer(cfg, run_dir)
+    from crm.evaluation.accuracy import evaluate_files  # torch: not for --help or a refusal
+
     try:
         metrics, predictions = evaluate_files(scorer, paths)
         result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics}

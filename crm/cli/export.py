@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from crm.models.checkpoint import export_checkpoint
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="crm-export", description=__doc__.splitlines()[0])
@@ -24,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a LoRA checkpoint: the base model's directory, where it has moved since "
                         "training (checked against the fingerprint the checkpoint holds)")
     args = p.parse_args(argv)
+    from crm.models.checkpoint import export_checkpoint  # torch: after --help and argparse's refusals
+
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, base=args.base,
                                 adapters=args.adapters)

@@ -25,8 +25,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import (PathsConfig, ScorerSettings, checkpoint_argument, close_scorer,
-                            load_scorer, one_line_config_errors, register_schema, settings)
+from crm.cli.errors import one_line_config_errors
+from crm.cli.schema import PathsConfig, register_schema, settings
+from crm.cli.scorer import ScorerSettings, checkpoint_argument, close_scorer, load_scorer
 from crm.core.errors import ConfigError
 from crm.core.files import refuse_replacing, write_json
 from crm.core.records import RecordError

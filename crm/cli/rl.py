@@ -18,10 +18,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
-from crm.cli.common import PathsConfig, one_line_config_errors, register_schema, settings
+from crm.cli.errors import one_line_config_errors
+from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
-from crm.rl.demo import Plan
+from crm.rl.config import Plan
 
 log = logging.getLogger("crm.rl")
 
@@ -54,16 +55,16 @@ def check_inputs(cfg: RlConfig) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
-    import torch
+    started = time.time()
+    cfg = settings(cfg)
+    check_inputs(cfg)
+    import torch  # after the checks: a refusal answers before torch and TRL load
 
     from crm.core.records import RecordError
     from crm.inference.reward import CRMRewardError
     from crm.rl.demo import PlanError
     from crm.rl.demo import run as run_plan
 
-    started = time.time()
-    cfg = settings(cfg)
-    check_inputs(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -1,6 +1,7 @@
 """crm-train: compose the config, then data -> tokenizer -> model -> fit -> export -> evaluate
 (metrics.json). `train` reads top to bottom as the run does. The config's schema is TrainConfig
-below: each group and section is the dataclass of the code that reads it (crm/cli/common.py)."""
+below: each group and section is the dataclass of the layer that reads it (its torch-free
+`config` module: crm.models.config, crm.data.config, crm.training.config)."""
 from __future__ import annotations
 
 import json
@@ -15,41 +16,26 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from crm.cli.common import (PathsConfig, benchmark_config, one_line_config_errors, register_schema,
-                            settings)
+from crm.cli.errors import one_line_config_errors
+from crm.cli.schema import PathsConfig, benchmark_config, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
-from crm.data.demo import DemoConfig, demo_shard_dir, prepare_demo
-from crm.data.manifest import load_manifest
-from crm.data.reader import iter_shard, training_texts
-from crm.data.stream import StreamConfig, StreamSettings
+from crm.data.config import StreamConfig, StreamSettings
+from crm.data.demo import DemoConfig, demo_shard_dir
 from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
-from crm.evaluation.accuracy import evaluate_files
-from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark, run_benchmark
-from crm.inference.scorer import CRMScorer
-from crm.models.factory import LossConfig, ModelConfig, build_crm
-from crm.models.lora import LoraConfig
-from crm.models.tokenizer import load_or_train_tokenizer
+from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark
+from crm.models.config import LoraConfig, LossConfig, ModelConfig
 from crm.training import checks
-from crm.training.callbacks import CheckpointCard, ExportBest, ModelSize, ShardingReport
-from crm.training.datamodule import CRMDataModule
-from crm.training.loggers import LoggerConfig, make_logger, plot_curves
-from crm.training.module import CRMModule, OptimConfig
-from crm.training.parallel import ParallelConfig
-from crm.training.preemption import Preemption
-from crm.training.progress import progress_bar
-from crm.training.resolve import resolve
+from crm.training.config import LoggerConfig, OptimConfig, ParallelConfig
 from crm.training.sweeps import parse_overrides
-from crm.training.throughput import Throughput
-from crm.training.trainer import (AgreedResume, device_type, leave_process_group,
-                                  make_trainer, resolve_resume, world_size)
+
+# torch, Lightning and transformers load inside `train`, once the config is composed and checked:
+# `crm-train --help` and a refused setting answer in about a second, not after four seconds of
+# imports (benchmarks/cli_start.py measures it; tests/test_layers.py keeps it so).
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +138,29 @@ def train(cfg: DictConfig) -> dict | None:
     # speed: docs/PERFORMANCE.md section 4). Read when CUDA first allocates, so set before anything.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    log_per_rank()
     run: TrainConfig = settings(cfg)
     check_config(cfg)
     check_sweep()
+    log_per_rank()
     checks.check_trainer(run.trainer)
     benchmarks = read_benchmarks(run)
+
+    import lightning as L
+    import torch
+
+    from crm.data.demo import prepare_demo
+    from crm.data.manifest import load_manifest
+    from crm.data.reader import training_texts
+    from crm.evaluation.accuracy import evaluate_files
+    from crm.inference.scorer import CRMScorer
+    from crm.models.factory import build_crm
+    from crm.models.tokenizer import load_or_train_tokenizer
+    from crm.training.datamodule import CRMDataModule
+    from crm.training.loggers import make_logger, plot_curves
+    from crm.training.module import CRMModule
+    from crm.training.resolve import device_type, resolve, world_size
+    from crm.training.trainer import AgreedResume, leave_process_group, make_trainer, resolve_resume
+
     resolved = resolve(run)
     shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
     checks.check_data_fits(run, shard_dir, run_dir, world_size(run.trainer))
@@ -244,6 +247,8 @@ def check_shortcuts(scorer, shard_dir: Path) -> dict | None:
     criteria-blind or slot-following model is a warning at the end of the run, which its
     validation loss alone does not show."""
     from crm.core.records import parse_train
+    from crm.data.manifest import load_manifest
+    from crm.data.reader import iter_shard
     from crm.evaluation.criteria_check import shortcut_check
 
     manifest = load_manifest(shard_dir)
@@ -280,6 +285,8 @@ def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger,
     benchmark/<name>/<figure> (global rank 0, after the process group is left)."""
     results = {}
     for benchmark in benchmarks:
+        from crm.evaluation.benchmarks import run_benchmark
+
         result = run_benchmark(scorer, benchmark, run_dir / "benchmarks" / benchmark.name)
         log.info("%s", describe(result))
         results[benchmark.name] = result
@@ -296,6 +303,8 @@ def read_benchmarks(run: TrainConfig) -> list[Benchmark]:
     """The benchmarks global rank 0 scores after fit, read and checked at start: a file not in its
     layout stops the run before training. Every rank checks them, as each must stop by itself (no
     process group exists yet to share rank 0's verdict), and only global rank 0 keeps them."""
+    if not run.benchmarks:
+        return []
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
@@ -337,7 +346,7 @@ def check_sweep() -> None:
     from hydra.errors import HydraException
     from hydra.types import RunMode
 
-    from crm.cli.common import describe as describe_hydra_error
+    from crm.cli.errors import describe as describe_hydra_error
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.job.num != 0:
@@ -402,8 +411,17 @@ def transform_config(run: TrainConfig, accumulation: int = 1) -> TransformConfig
 
 
 def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bool,
-                  timeout=None) -> dict[str, L.Callback]:
+                  timeout=None) -> dict:
     """The run's callbacks by name (train reads some of them back), then the `callbacks` group's."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from crm.training.callbacks import CheckpointCard, ExportBest, ModelSize, ShardingReport
+    from crm.training.preemption import Preemption
+    from crm.training.progress import progress_bar
+    from crm.training.throughput import Throughput
+    from crm.training.resolve import device_type
+
     ckpt_dir = run_dir / "checkpoints"
     callbacks = {
         "best": L.pytorch.callbacks.ModelCheckpoint(  # the best model by val/loss

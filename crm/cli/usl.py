@@ -20,8 +20,9 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from crm.app.service import Limits
-from crm.cli.common import (PathsConfig, ScorerSettings, load_scorer, one_line_config_errors,
-                            register_schema, settings)
+from crm.cli.errors import one_line_config_errors
+from crm.cli.schema import PathsConfig, register_schema, settings
+from crm.cli.scorer import ScorerSettings, load_scorer
 from crm.core.errors import ConfigError
 from crm.core.heap import freeze_startup_heap
 from crm.evaluation.leaderboard import Bootstrap
@@ -120,15 +121,15 @@ def check_inputs(cfg: UslConfig) -> None:
 
 def build_app(cfg: DictConfig):
     """(page, service): the CRM loaded, the default board ready, the page built (not served)."""
-    import torch
+    cfg = settings(cfg)
+    check_inputs(cfg)
+    import torch  # after the checks: a refusal answers before torch and Gradio load
 
     from crm.app.cache import VerdictCache, crm_fingerprint, file_digest
     from crm.app.page import build, default_board
     from crm.app.service import Leaderboards, ModelGate, version
     from crm.evaluation.leaderboard import select
 
-    cfg = settings(cfg)
-    check_inputs(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     selection = select(cfg.bench, cfg.baseline, models=cfg.models)
@@ -156,11 +157,10 @@ def build_app(cfg: DictConfig):
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="usl")
 @one_line_config_errors
 def main(cfg: DictConfig) -> None:
-    from crm.app.page import HttpLimits, launch
-
     auth = basic_auth(cfg.auth_env)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes
     page, service = build_app(cfg)
+    from crm.app.page import HttpLimits, launch  # build_app loaded it, once its checks passed
     print(f"crm-usl: {service.version}, baseline {service.selection.baseline}; serving on "
           f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
           flush=True)

@@ -5,12 +5,21 @@ The one type that data, inference, evaluation and leaderboards share; training's
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crm.core.records import Conversation, TestRecord
 
 LABEL_A, LABEL_B, LABEL_TIE = 0, 1, 2
 LABELS = {"model_a": LABEL_A, "model_b": LABEL_B, "tie": LABEL_TIE}
+
+
+def verdict(probs: Sequence[float]) -> int | None:
+    """The label with the highest probability; None when the top two are equal (a score tie)."""
+    if any(p != p for p in probs):  # NaN: the pair could not be scored
+        return None
+    ranked = sorted(range(len(probs)), key=lambda i: -probs[i])
+    return None if probs[ranked[0]] == probs[ranked[1]] else ranked[0]
 
 
 @dataclass(frozen=True)

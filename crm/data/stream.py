@@ -20,24 +20,21 @@ import os
 import random
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from crm.core.examples import LABEL_A, PairExample
-from crm.core.prompts import PromptEncoder, PromptTemplate
+from crm.core.prompts import PromptEncoder
 from crm.core.records import RecordError, TrainRecord, parse_train
+from crm.data.config import StreamConfig
 from crm.data.epoch_plan import RankPlan, plan_rank
 from crm.data.manifest import ShardInfo
 from crm.data.packing import pack, split_shared
 from crm.data.padding import pad_rows
 from crm.data.reader import ShardError, iter_shard_raw, load_member
 from crm.data.transforms import CriteriaPool, TransformConfig, check_one_sided, record_rng, train_example
-
-MODES = ("pairwise", "pointwise")
-
 
 class Encoded(NamedTuple):
     """A record after transforms and the length policy, before batching (sent from the workers)."""
@@ -50,44 +47,6 @@ class Encoded(NamedTuple):
     def length(self) -> float:
         """The sort key of length grouping: the longest row (dropped records sort last)."""
         return max(map(len, self.rows)) if self.rows is not None else math.inf
-
-
-@dataclass(frozen=True)
-class StreamSettings:
-    """What a user sets: crm-train's `stream` section (configs/train.yaml) is this dataclass."""
-
-    max_tokens: int = 1024  # length policy limit of one row
-    min_turn_tokens: int = 16  # the least a shortened message keeps
-    shuffle_buffer: int = 2048  # records mixed across shard boundaries
-    window_batches: int = 32  # length grouping: sort this many batches' worth of records by length
-    num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
-    packing: Any = "auto"  # auto | true | false: a batch is one row of its records' real tokens
-    # (crm.data.packing); auto is resolved for the run's device by crm.models.packing.decide
-
-
-@dataclass(frozen=True, kw_only=True)
-class StreamConfig(StreamSettings):
-    """The settings and what the run decides: the micro batch, the loss's rows, the seed, the
-    prompt template."""
-
-    batch_size: int  # records per batch on one rank (the micro batch)
-    # resolved: the run's choice. A library user's default is padded rows, what crm-train's auto
-    # chooses on CPU and what every device runs; packed rows pay off on CUDA (PERFORMANCE.md 5).
-    packing: bool = False
-    # packed rows: also the views the CPU's gather kernel reads (crm.models.packing.attention_path);
-    # CUDA's kernels read only the ids and the segment starts
-    gather_views: bool = True
-    mode: str = "pairwise"  # pointwise: each record gives a chosen and a rejected row, in one batch
-    seed: int = 0
-    shuffle: bool = True  # False for validation: a fixed order, epoch 0's draws
-    template: PromptTemplate = field(default_factory=PromptTemplate)
-
-    def __post_init__(self):
-        if not isinstance(self.packing, bool):
-            raise ValueError(f"stream packing={self.packing!r}: a StreamConfig takes true or false "
-                             "(crm.models.packing.decide resolves auto for a device)")
-        if self.mode not in MODES:
-            raise ValueError(f"stream mode={self.mode!r}: expected one of {MODES}")
 
 
 class PairStream(IterableDataset):

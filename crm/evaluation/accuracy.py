@@ -7,19 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, eval_example
+from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, eval_example, verdict
 from crm.core.records import TestRecord, load_records
 from crm.inference.scorer import unswap
 
 VERDICT_NAMES = {LABEL_A: "model_a", LABEL_B: "model_b", LABEL_TIE: "tie", None: "score_tie"}
-
-
-def verdict(probs: Sequence[float]) -> int | None:
-    """The label with the highest probability; None when the top two are equal (a score tie)."""
-    if any(p != p for p in probs):  # NaN: the pair could not be scored
-        return None
-    ranked = sorted(range(len(probs)), key=lambda i: -probs[i])
-    return None if probs[ranked[0]] == probs[ranked[1]] else ranked[0]
 
 
 def _rate(xs: list[bool]) -> float | None:

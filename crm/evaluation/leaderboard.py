@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from crm.core.errors import ConfigError
-from crm.core.examples import LABEL_A, LABEL_B, PairExample
+from crm.core.examples import LABEL_A, LABEL_B, PairExample, verdict
 from crm.core.records import BenchRecord, RecordError, read_lines
-from crm.evaluation.accuracy import verdict
 from crm.evaluation.ppi import MIN_VOTES, CellData, Estimate, ppi_group, rank_sets
 from crm.evaluation.slot_bias import measure_slot_bias
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from crm.core.examples import LABEL_A, LABEL_B, swap
-from crm.evaluation.accuracy import verdict
+from crm.core.examples import LABEL_A, LABEL_B, swap, verdict
 
 SLOT_SAMPLE = 64
 # The demo CRM changes 2-25% of its verdicts when A and B swap on its test sets (Makefile, demo),

@@ -49,10 +49,10 @@ import torch
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.prompts import PromptEncoder, PromptTemplate
+from crm.inference.config import EngineConfig
 
 log = logging.getLogger("crm.inference.engine")
 
-ENGINES = ("local", "ray")
 INSTALL_HINT = "pip install 'crm[ray]'"
 # Blocks per worker at a time: one, so that a worker that dies was running that block (a second
 # queued behind it would share the blame, and the reply of one that just finished can be lost with
@@ -62,37 +62,8 @@ NAMED_ROWS = 5  # rows an error names before "..."
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """configs/engine/<name>.yaml: where the scoring of crm-eval, crm-leaderboard and crm-usl runs."""
-
-    name: str = "local"  # local | ray
-    address: str | None = None  # null: start a local Ray; auto or host:port: join a running cluster
-    workers: int | None = None  # null: one per GPU of the cluster (one per cpus_per_worker cores without)
-    gpus_per_worker: float | None = None  # null: 1 where the cluster has GPUs, else 0
-    cpus_per_worker: int = 1  # CPU cores (and torch threads on CPU) per worker
-    block_prompts: int = 64  # prompt groups per block
-    block_attempts: int = 3  # a block whose worker dies this many times stops the job
-    connect_timeout: float = 30.0  # seconds to reach engine.address
-    object_store_mib: int = 256  # a local Ray's object store (blocks are small)
-
-    def __post_init__(self):
-        if self.name not in ENGINES:
-            raise ValueError(f"engine={self.name}: expected one of {', '.join(ENGINES)}")
-        for key in ("workers", "cpus_per_worker", "block_prompts", "block_attempts"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"engine.{key}={value}: expected a whole number >= 1")
-        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
-            raise ValueError(f"engine.gpus_per_worker={self.gpus_per_worker}: expected >= 0")
-        if self.connect_timeout <= 0:
-            raise ValueError(f"engine.connect_timeout={self.connect_timeout}: expected > 0")
-        if self.object_store_mib < 80:  # Ray refuses less than 75 MiB
-            raise ValueError(f"engine.object_store_mib={self.object_store_mib}: at least 80")
-
-
-@dataclass(frozen=True)
 class ScorerLoader:
-    """How each worker loads its CRMScorer (what `crm.cli.common.load_scorer` would load)."""
+    """How each worker loads its CRMScorer (what `crm.cli.scorer.load_scorer` would load)."""
 
     checkpoint: str
     batch_size: int = 16

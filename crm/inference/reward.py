@@ -47,8 +47,8 @@ from crm.core.examples import PairExample
 from crm.core.lru import LRU
 from crm.core.records import Conversation, Message
 from crm.inference.scorer import CRMScorer
+from crm.inference.config import STRATEGIES
 
-STRATEGIES = ("pointwise", "reference", "round_robin")
 FIT_CHUNK = 256  # prompts tokenized per call by the length check
 LOGIT_EPS = 1e-6  # log_odds of a pairwise probability clamps it into [eps, 1 - eps]
 

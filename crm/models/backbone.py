@@ -14,8 +14,10 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, Qwen3Config
 from transformers.utils import is_flash_attn_2_available
 
+from crm.models.config import DTYPE_NAMES
+
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 _QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-6,
                      max_position_embeddings=40960, rope_parameters={"rope_type": "default",

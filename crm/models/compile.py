@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from crm.models.backbone import COMPILABLE_ATTENTION, decoder_layers, not_compilable
+from crm.models.config import resolve_compile
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +42,10 @@ log = logging.getLogger(__name__)
 RECOMPILE_WARNING = 4
 
 
-def resolve(setting, device_type: str) -> bool:
-    """The `compile` setting for a model on `device_type`: auto = on where it runs on CUDA.
-
-    On CPU compiling costs more than it saves for crm's sizes (docs/PERFORMANCE.md section 9), so
-    there it is only done when asked for.
-    """
-    if setting == "auto":
-        return device_type == "cuda"
-    if setting is True or setting is False:  # not `in (True, False)`: 0, 1 and 1.0 equal those
-        return setting
-    raise ValueError(f"compile={setting!r}: expected auto, true or false")
-
-
 def decide(setting, device_type: str) -> bool:
-    """Whether to compile for `device_type`: `resolve`, then where inductor cannot build there,
+    """Whether to compile for `device_type`: `resolve_compile`, then where inductor cannot build there,
     compile=true is refused (ValueError, one line) and auto stays eager with a warning."""
-    wanted = resolve(setting, device_type)
+    wanted = resolve_compile(setting, device_type)
     reason = why_not_compilable(device_type) if wanted else None
     if reason and setting is True:
         raise ValueError(f"compile=true on {device_type}: {reason}; set compile=false (or auto)")

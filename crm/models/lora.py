@@ -11,44 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from crm.models.backbone import DTYPES
+from crm.models.config import LoraConfig
 
-# Every linear layer of a Qwen3 decoder layer: attention's four projections and the MLP's three.
-DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER = "default"  # peft's adapter name; it appears in the parameter names
 BASE_LAYER = ".base_layer"  # peft's name of the wrapped (frozen) linear
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    rank: int = 0  # LoRA's r; 0 = train the whole model
-    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input
-    target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
-    base_dtype: str = "bfloat16"  # dtype of the frozen base weights (no optimizer state, no master copy)
-
-    def __post_init__(self):
-        if self.rank < 0:
-            raise ValueError(f"lora.rank={self.rank}: expected 0 (full training) or a positive rank")
-        if self.rank and not self.target_modules:
-            raise ValueError("lora.target_modules is empty: name the linear layers to adapt "
-                             f"(default: {', '.join(DECODER_LINEARS)})")
-        if self.base_dtype not in DTYPES:
-            raise ValueError(f"lora.base_dtype={self.base_dtype}: expected one of {', '.join(DTYPES)}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
 
 def is_adapter(name: str) -> bool:

@@ -30,6 +30,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from crm.data.config import check_packing
+
 ATTENTION = "crm_packed"
 PATHS = ("gather", "flex", "varlen")
 
@@ -92,11 +94,8 @@ def decide(setting, device_type: str, mode: str) -> bool:
     the demo's sizes with torch's two threads the gathered views cost what the shared prefix and
     the padding save (pointwise 0.99x, pairwise 0.92x on a quiet 2-core machine). `mode` is
     part of the question, as the measurements were per mode."""
-    if setting == "auto":
-        return device_type == "cuda"
-    if setting is True or setting is False:  # not `in (True, False)`: 0, 1 and 1.0 equal those
-        return setting
-    raise ValueError(f"stream.packing={setting!r}: expected auto, true or false")
+    check_packing(setting)
+    return device_type == "cuda" if setting == "auto" else setting
 
 
 def attention_path(device_type: str, branched: bool, dtype: torch.dtype = torch.bfloat16) -> str:

@@ -14,9 +14,13 @@ import copy
 import logging
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
 
-from crm.models.backbone import count_parameters
+if TYPE_CHECKING:
+    import torch
+
+# torch and transformers are imported where a model is built or a GPU asked: the arithmetic
+# needs neither, and crm-plan checks its settings (and answers --help) before they load.
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ class ModelShape:
     def from_model(cls, model: torch.nn.Module) -> ModelShape:
         """From a Qwen3ForSequenceClassification (meta device is enough; no storage is read)."""
         config = model.config
+        from crm.models.backbone import count_parameters
+
         counts = count_parameters(model)
         layer = sum(p.numel() for p in model.model.layers[0].parameters())
         return cls(total_params=counts["total"], non_embedding_params=counts["non_embedding"],
@@ -84,6 +90,7 @@ def meta_classifier(config) -> torch.nn.Module:
     The attention implementation is irrelevant to the parameters; sdpa is set so that a config that
     asks for flash_attention_2 builds where flash-attn is not installed.
     """
+    import torch
     from transformers import AutoModelForSequenceClassification
 
     config = copy.deepcopy(config)  # from_config sets its attention and dtype on the config it gets
@@ -112,6 +119,8 @@ def detect_gpu() -> str | None:
 
     PCIe and NVL H100s have lower peaks than the SXM part in the table: they count as unknown.
     """
+    import torch
+
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name().lower()
@@ -155,7 +164,7 @@ def tokens_per_s_at(mfu_target: float, flops_per_token: float, peak: float | Non
 
 
 def model_shape(model, kind: str, vocab_size: int | None = None) -> ModelShape:
-    """The shape of a model group's classifier (a crm.models.factory.ModelConfig): from model.path's
+    """The shape of a model group's classifier (a crm.models.config.ModelConfig): from model.path's
     config.json, else model.arch with `vocab_size` (a trained tokenizer's) or the group's own."""
     num_labels = 1 if kind == "pointwise" else 2
     if model.path:

@@ -8,33 +8,11 @@ rewards within each prompt's group and steps the policy. The guards it offers an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    max_steps: int = 15
-    prompts_per_step: int = 8  # prompts per optimizer step; each gets num_generations completions
-    num_generations: int = 4
-    max_completion_length: int = 48
-    learning_rate: float = 1e-3
-    beta: float = 0.0  # KL coefficient to the initial policy (TRL's default is 0: no reference model)
-    temperature: float = 1.0
-    overlong_cache: int = 0  # > 0: DAPO's soft overlong punishment over the last this-many tokens
-    scale_rewards: str = "group"  # TRL's advantage scaling: group (GRPO) | batch | none
-    logging_steps: int = 5
-
-    def __post_init__(self):
-        if self.max_steps < 1 or self.prompts_per_step < 1 or self.max_completion_length < 1:
-            raise ValueError("grpo: max_steps, prompts_per_step and max_completion_length are >= 1")
-        if self.num_generations < 2:
-            raise ValueError(f"grpo.num_generations={self.num_generations}: at least 2 (GRPO "
-                             "compares the completions of a group)")
-        if self.scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"grpo.scale_rewards={self.scale_rewards}: group, batch or none")
+from crm.rl.config import GRPOSettings
 
 
 def train_grpo(policy, tokenizer, queries: list[str], criteria: list[str] | None, reward_funcs: list,

@@ -15,18 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from crm.rl.config import PolicyConfig
+
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    hidden_size: int = 64
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
-    max_position_embeddings: int = 512
 
 
 def build_policy(tokenizer, config: PolicyConfig, seed: int):

@@ -6,7 +6,8 @@ from dataclasses import replace
 import lightning as L
 
 from crm.data.manifest import load_manifest
-from crm.data.stream import PairStream, StreamConfig, StreamLoader
+from crm.data.config import StreamConfig
+from crm.data.stream import PairStream, StreamLoader
 from crm.data.transforms import TransformConfig, check_one_sided
 
 

@@ -2,33 +2,29 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from crm.training.config import LoggerConfig
 from crm.training.preemption import slurm_job_id
 
-LOGGERS = ("csv", "wandb", "none")
 
 
-@dataclass(frozen=True)
-class LoggerConfig:
-    """crm-train's logger group (configs/logger/*.yaml); the rest of the fields are wandb's."""
+class _NoAdverts(logging.Filter):
+    """Lightning's "💡 Tip: ... try installing litlogger / litmodels" lines: an advert for a cloud
+    service in every run's log, nothing about the run."""
 
-    name: str = "csv"  # csv | wandb | none
-    project: str = "crm"
-    entity: str | None = None
-    group: str | None = None  # sweeps set this so the UI groups their runs
-    tags: list[str] = field(default_factory=list)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
 
-    def __post_init__(self):
-        if self.name not in LOGGERS:
-            raise ValueError(f"logger {self.name!r}: expected one of {', '.join(LOGGERS)}")
 
+for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(_name).addFilter(_NoAdverts())
 
 def make_logger(logger: LoggerConfig, run_dir: Path, run_name: str, sweep: dict | None = None):
     """The run's Lightning logger (False for none); `sweep` a multirun job's {group, axes, job},

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import lightning as L
 import torch
@@ -10,18 +9,9 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from crm.core.errors import ConfigError
 from crm.models.checkpoint import LORA
+from crm.training.config import OptimConfig
 from crm.training.parallel import (ParallelConfig, all_ranks_sum, build_sharded, data_parallel_mesh,
                                    prepare_layers)
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-3  # peak learning rate, reached after warmup
-    weight_decay: float = 0.01  # AdamW decay on matrices; norms and biases are not decayed
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 100  # linear warmup, then cosine decay to min_lr_ratio * lr
-    min_lr_ratio: float = 0.0
 
 
 class CRMModule(L.LightningModule):

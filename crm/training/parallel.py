@@ -14,10 +14,7 @@ import shutil
 import socket
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -25,41 +22,9 @@ from torch import nn
 from crm.core.errors import ConfigError
 from crm.models.backbone import DTYPES, decoder_layers
 from crm.models.compile import compile_layers
+from crm.training.config import ParallelConfig
 
 log = logging.getLogger(__name__)
-
-
-SHARDINGS = ("auto", "fsdp", "hsdp")
-GRAD_SYNCS = ("step", "micro_batch")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward (any strategy)
-    param_dtype: str = "bfloat16"  # FSDP: dtype of the all-gathered parameters for compute
-    reduce_dtype: str = "float32"  # FSDP: dtype of the gradient reduce-scatter
-    reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3)
-    sharding: str = "auto"  # FSDP over all ranks (fsdp) or within each node, replicated across (hsdp)
-    grad_sync: str = "step"  # under accumulation: reduce gradients once per step, or every micro batch
-    # The longest a rank may wait in a collective before its watchdog aborts the run: auto = sized
-    # for a checkpoint save at the model size (crm.perf.memory.process_group_timeout_minutes).
-    timeout_minutes: Any = "auto"  # auto or minutes; Any: a str or an int
-
-    def __post_init__(self):
-        for key, value, allowed in (("sharding", self.sharding, SHARDINGS),
-                                    ("grad_sync", self.grad_sync, GRAD_SYNCS)):
-            if value not in allowed:
-                raise ValueError(f"parallel.{key}={value}: expected one of {', '.join(allowed)}")
-        minutes = self.timeout_minutes
-        if minutes != "auto" and not (isinstance(minutes, int) and not isinstance(minutes, bool)
-                                      and minutes > 0):
-            raise ValueError(f"parallel.timeout_minutes={minutes}: expected auto or a number of "
-                             "minutes > 0")
-
-    @property
-    def timeout(self) -> timedelta | None:
-        """The process groups' timeout; None (torch's default) while `auto` is undecided."""
-        return None if self.timeout_minutes == "auto" else timedelta(minutes=self.timeout_minutes)
 
 
 def data_parallel_mesh(mesh, sharding: str, num_nodes: int):

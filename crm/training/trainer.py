@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -20,64 +18,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from crm.core.errors import ConfigError
 from crm.models.checkpoint import is_complete_checkpoint
 from crm.training.parallel import ParallelConfig, fsdp_strategy
+from crm.training.resolve import world_size
 
 log = logging.getLogger(__name__)
-
-
-def device_type(trainer: dict) -> str:
-    """"cuda" or "cpu": where the trainer group's accelerator runs the model."""
-    accelerator = trainer["accelerator"]
-    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return "cuda" if gpu else "cpu"
-
-
-def world_size(trainer: dict) -> int:
-    """Processes of the run: devices per node x nodes (`devices: auto` counts the visible GPUs)."""
-    devices = trainer["devices"]
-    if devices in ("auto", -1, "-1"):
-        devices = torch.cuda.device_count() if device_type(trainer) == "cuda" else 1
-        if not devices:
-            raise ConfigError(f"trainer.devices={trainer['devices']} with trainer.accelerator="
-                             f"{trainer['accelerator']}, but no CUDA device is visible")
-    elif isinstance(devices, (list, tuple)):
-        devices = len(devices)
-    return int(devices) * int(trainer.get("num_nodes", 1))
-
-
-def batch_plan(global_batch: int, micro_batch: int | str, world: int,
-               max_micro_batch: int) -> tuple[int, int]:
-    """(micro batch, accumulation) for `global_batch` records per optimizer step over `world` ranks.
-
-    `micro_batch="auto"`: the largest micro batch that divides a rank's share of the global batch,
-    at most `max_micro_batch` (the memory bound), so the same config runs on any world size.
-    """
-    if micro_batch == "auto":
-        if global_batch % world:
-            raise ConfigError(f"global_batch_size={global_batch} cannot be split over {world} ranks; "
-                              "make it a multiple of the number of ranks")
-        per_rank = global_batch // world
-        micro_batch = max(m for m in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % m == 0)
-    per_step = int(micro_batch) * world
-    if global_batch % per_step:
-        raise ConfigError(f"global_batch_size={global_batch} is not a multiple of micro_batch_size="
-                          f"{micro_batch} x {world} ranks; accumulation must be a whole number "
-                          "(micro_batch_size=auto finds one)")
-    return int(micro_batch), global_batch // per_step
-
-
-def resolve_sharding(parallel: ParallelConfig, trainer: dict,
-                     choose: Callable[[int, int], str]) -> ParallelConfig:
-    """`parallel` with `sharding: auto` decided: under FSDP, `choose(nodes, ranks per node)`
-    (crm.perf.network.choose_sharding's rule); fsdp for any other strategy."""
-    if parallel.sharding != "auto":
-        return parallel
-    nodes = int(trainer.get("num_nodes", 1))
-    per_node = world_size(trainer) // nodes
-    if trainer.get("strategy") != "fsdp":  # nothing is sharded: nothing to say
-        return replace(parallel, sharding="fsdp")
-    choice = choose(nodes, per_node)
-    log.info("parallel.sharding=auto: %s (%d node(s) x %d rank(s))", choice, nodes, per_node)
-    return replace(parallel, sharding=choice)
 
 
 def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, callbacks: list,

@@ -55,6 +55,9 @@ def test_data_path_without_data_shards_is_refused_and_the_users_shards_stay_as_t
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.max_steps=ten"], "trainer.max_steps='ten': expected int"),
     (["trainer.max_step=10"], "trainer.max_step: no such key (did you mean trainer.max_steps?)"),
+    (["trainer.detect_anomali=true"], "trainer.detect_anomali: no such key (did you mean "
+                                      "+trainer.detect_anomaly=...? a Trainer argument the group "
+                                      "does not set)"),
     (["+trainer.max_step=10"], "trainer.max_step: not an argument of Lightning's Trainer (did you "
                                "mean trainer.max_steps?)"),
     (["optim.lrr=1"], "optim.lrr: no such key (did you mean optim.lr?)"),
@@ -110,7 +113,7 @@ def test_crm_leaderboard_names_an_unknown_baseline_or_topic(root, capsys, monkey
 
 
 def test_the_console_script_prints_one_line_and_exits_2(tmp_path):
-    """In a process of its own: Hydra's composition error, which crm.cli.common patches in for
+    """In a process of its own: Hydra's composition error, which crm.cli.errors patches in for
     every Hydra command (crm-plan: the quickest to start; a command's own refusal:
     tests/training/test_train.py)."""
     done = subprocess.run([str(BIN / "crm-plan"), "modle=qwen3-8b"], capture_output=True,
@@ -174,7 +177,7 @@ def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, cap
     from hydra import compose, initialize_config_module
 
     from crm.training.checks import check_data_fits
-    from crm.cli.common import settings
+    from crm.cli.schema import settings
     from crm.data.shard import shard
 
     records = tmp_path / "train.jsonl"
@@ -242,11 +245,11 @@ def test_the_training_bar_counts_micro_batches_and_shows_no_epoch_bound():
 
 
 def test_lightnings_advert_is_dropped_and_one_cpu_device_logs_no_sharding(caplog):
-    import crm.cli.common  # noqa: F401  (installs the filter)
+    import crm.training.loggers  # noqa: F401  (installs the filter)
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     from crm.training.parallel import ParallelConfig
-    from crm.training.trainer import resolve_sharding
+    from crm.training.resolve import resolve_sharding
 
     seen = []
     handler = logging.Handler()
@@ -259,7 +262,7 @@ def test_lightnings_advert_is_dropped_and_one_cpu_device_logs_no_sharding(caplog
     finally:
         logger.removeHandler(handler)
     assert seen == ["GPU available: False"]
-    with caplog.at_level(logging.INFO, logger="crm.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="crm.training.resolve"):
         chosen = resolve_sharding(ParallelConfig(), {"accelerator": "cpu", "devices": 1},
                                   lambda nodes, ranks: "hsdp")
     assert chosen.sharding == "fsdp" and "parallel.sharding" not in caplog.text
@@ -277,7 +280,7 @@ def test_crm_rls_grpo_config_raises_no_gradient_checkpointing_future_warning(tmp
 
 
 def test_crm_eval_keeps_another_runs_results_and_its_bars_off_a_log(root, capsys, monkeypatch):
-    from crm.cli.common import ScorerSettings, load_scorer
+    from crm.cli.scorer import ScorerSettings, load_scorer
     from crm.inference.scorer import CRMScorer
 
     test = root / "test.jsonl"

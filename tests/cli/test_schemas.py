@@ -20,10 +20,10 @@ import crm.cli.train
 import crm.cli.usl
 import crm_configs
 from crm.app.service import Limits
-from crm.cli.common import settings
+from crm.cli.schema import settings
 from crm.core.errors import ConfigError
 from crm.core.prompts import PromptTemplate
-from crm.data.stream import StreamSettings
+from crm.data.config import StreamSettings
 from crm.data.transforms import TransformSettings
 from crm.evaluation.benchmarks import BenchmarkConfig
 from crm.evaluation.leaderboard import Bootstrap

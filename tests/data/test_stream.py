@@ -21,7 +21,8 @@ import torch
 from crm.data.manifest import ShardInfo, load_manifest
 from crm.data.reader import ShardError, iter_shard
 from crm.data.packing import split_shared, unpack
-from crm.data.stream import PairStream, StreamConfig, StreamLoader
+from crm.data.config import StreamConfig
+from crm.data.stream import PairStream, StreamLoader
 from crm.core.prompts import PromptEncoder
 from crm.core.records import parse_train
 from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, LABELS

@@ -193,7 +193,7 @@ def rb2_file(tmp_path: Path, rows: list[dict]) -> str:
 
 
 def test_layouts_read_with_their_criteria(tmp_path):
-    from crm.cli.common import benchmark_config
+    from crm.cli.schema import benchmark_config
 
     root = write_layouts(tmp_path)
     rb2 = load_benchmark(benchmark_config("rewardbench2", root / "rewardbench2"))
@@ -308,7 +308,7 @@ def test_a_pairwise_crm_scores_a_round_robin_in_both_orders():
 def test_crm_eval_refuses_a_bad_benchmark_file_before_loading_the_model(tmp_path, capsys):
     from hydra import compose, initialize_config_module
 
-    from crm.cli.common import one_line_config_errors
+    from crm.cli.errors import one_line_config_errors
     from crm.cli.eval import evaluate
     from helpers import run_as_job
 

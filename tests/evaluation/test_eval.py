@@ -12,7 +12,8 @@ from scorers import export_tiny, run_cli, tiny_scorer
 from crm.cli.eval import evaluate, summary
 from crm.core.records import load_records
 from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE
-from crm.evaluation.accuracy import accuracy_metrics, evaluate_files, evaluate_records, verdict
+from crm.core.examples import verdict
+from crm.evaluation.accuracy import accuracy_metrics, evaluate_files, evaluate_records
 
 NAN = float("nan")
 
@@ -151,7 +152,7 @@ def test_eval_run_dir_is_deterministic(tmp_path):
 
 
 def test_main_takes_checkpoint_and_the_deprecated_model(tmp_path, monkeypatch, capsys):
-    from crm.cli.common import checkpoint_argument
+    from crm.cli.scorer import checkpoint_argument
     from crm.cli.eval import main
 
     assert checkpoint_argument(["crm-eval", "model=a/b", "models=x", "++model.path=c",

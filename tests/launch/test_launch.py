@@ -34,8 +34,8 @@ import crm.cli.plan
 import crm.cli.train
 import crm.cli.usl  # noqa: F401
 import crm_configs
-from crm.cli.common import checkpoint_argument
-from crm.training.trainer import batch_plan, world_size
+from crm.cli.scorer import checkpoint_argument
+from crm.training.resolve import batch_plan, world_size
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"

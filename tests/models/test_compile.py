@@ -13,6 +13,7 @@ from helpers import COMPILE_ARCH, tiny_tokenizer
 
 from crm.data.padding import pad_rows
 from crm.models import compile as compiling
+from crm.models.config import resolve_compile
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.training.parallel import ParallelConfig, prepare_layers
 
@@ -90,10 +91,10 @@ def test_eager_context_runs_a_compiled_layer_without_compiling():
 
 
 def test_settings_and_the_compilers_inductor_needs():
-    assert compiling.resolve("auto", "cuda") and not compiling.resolve("auto", "cpu")
-    assert compiling.resolve(True, "cpu") and not compiling.resolve(False, "cuda")
+    assert resolve_compile("auto", "cuda") and not resolve_compile("auto", "cpu")
+    assert resolve_compile(True, "cpu") and not resolve_compile(False, "cuda")
     with pytest.raises(ValueError, match="expected auto, true or false"):
-        compiling.resolve("yes", "cpu")
+        resolve_compile("yes", "cpu")
     # This machine compiles CPU kernels (the tests above ran): the private lookups still exist.
     assert compiling.why_not_compilable("cpu") is None
     assert isinstance(compiling.why_not_compilable("cuda"), (str, type(None)))

@@ -283,6 +283,8 @@ def test_crm_plan_writes_plan_json_for_every_model_size(model, tmp_path, capsys)
     out = capsys.readouterr().out
     assert f"crm-plan: {model} pairwise, 1 node(s) x 8 GPUs" in out and "fits: yes" in out
     assert plan["model"]["name"] == model and plan["memory"]["world"] == 8
+    # what crm-train would record for this run (crm.training.resolve), printed and written
+    assert plan["resolved"]["sharding"] == plan["sharding"] and "resolved (crm.training.resolve" in out
     assert plan["memory"]["fits"] is True
     assert plan["flops"]["train_per_token"] == pytest.approx(3 * plan["flops"]["forward_per_token"])
     assert plan["flops"]["tokens_per_s_per_gpu"] == pytest.approx(
@@ -497,7 +499,8 @@ def test_crm_plan_network_table_and_recommend(tmp_path, capsys):
 
 def test_lora_plan_counts_peft_and_fits_one_gpu_as_the_issue_asks(shapes, tmp_path, capsys):
     from crm.models.factory import LossConfig, ModelConfig, build_crm
-    from crm.models.lora import DECODER_LINEARS, LoraConfig, trainable_counts
+    from crm.models.config import DECODER_LINEARS, LoraConfig
+    from crm.models.lora import trainable_counts
     from crm.perf.memory import lora_parameters
 
     # The plan's count of what LoRA trains is peft's (a meta-device build).

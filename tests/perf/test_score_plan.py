@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from transformers import Qwen3Config
 
-from crm.cli.common import settings
+from crm.cli.schema import settings
 from crm.cli.plan import main as plan_main
 from crm.core.errors import ConfigError
 from crm.perf.flops import ModelShape, flops_per_token

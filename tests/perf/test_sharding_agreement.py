@@ -7,16 +7,15 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
-import torch
 from hydra import compose, initialize_config_module
 
 import crm.cli.plan as plan_cli
 import crm.cli.train as train_cli
-from crm.cli.common import settings
+from crm.cli.schema import settings
 from crm.perf import flops
+from crm.perf import plan as planning
 from crm.perf.memory import PLANNED_PROMPT_SHARE
 from crm.training import resolve as resolving
 
@@ -26,12 +25,14 @@ GRID = list(itertools.product(MODELS, [2, 4], [1, 3], [2048, 8192], [True, False
 
 
 def train_overrides(model: str, nodes: int = 2, micro: int = 1, tokens: int = 2048,
-                    packing: bool = True, checkpointing: bool = False) -> list[str]:
-    return [f"model={model}", "loss=ranking", "trainer=fsdp", f"trainer.num_nodes={nodes}",
+                    packing: bool = True, checkpointing: bool = False, loss: str = "ranking",
+                    lora_rank: int = 0, global_batch: int | None = None) -> list[str]:
+    batch = [] if global_batch is None else [f"global_batch_size={global_batch}"]
+    return [*batch, f"model={model}", f"loss={loss}", "trainer=fsdp", f"trainer.num_nodes={nodes}",
             f"trainer.devices={DEVICES}", f"micro_batch_size={micro}", f"stream.max_tokens={tokens}",
             f"stream.packing={str(packing).lower()}",
             f"parallel.activation_checkpointing={str(checkpointing).lower()}", "data=shards",
-            "data.path=/shards"]
+            "data.path=/shards", f"lora.rank={lora_rank}"]
 
 
 def both(overrides: list[str]):
@@ -47,10 +48,26 @@ def both(overrides: list[str]):
     return run, plan
 
 
+@pytest.mark.parametrize("point", [
+    dict(model="qwen3-8b", micro=3, packing=True, global_batch=96),  # hsdp
+    dict(model="qwen3-1.7b", tokens=8192, packing=False, checkpointing=True),
+    dict(model="qwen3-0.6b", nodes=1, micro=2, loss="cls", lora_rank=16),  # pairwise, LoRA, one node
+])
+def test_crm_plan_prints_the_resolution_crm_train_records(point, shapes_once):
+    """crm-plan's `resolved` (crm.cli.plan.planned_resolution, what it prints and writes to
+    plan.json) is crm.training.resolve.resolve's record of crm-train's run for the same overrides,
+    on the GPU node the plan is told of: every field, the LoRA record included."""
+    run, plan = both(train_overrides(**point))
+    node = resolving.Environment(device="cuda", gpu_memory_gib=GPU_GIB, this_machine=False)
+    by_train = resolving.resolve(run, node).record()
+    assert plan_cli.planned_resolution(plan) == by_train
+    assert by_train["compile"] and by_train["packing"] == point.get("packing", True)
+    assert by_train["micro_batch_size"] == point.get("micro", 1)
+    assert (by_train["lora"] is not None) == bool(point.get("lora_rank"))
+
+
 @pytest.fixture
-def an_80_gib_gpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_properties",  # the GPU crm-plan is told of
-                        lambda device: SimpleNamespace(total_memory=GPU_GIB * 2 ** 30))
+def shapes_once(monkeypatch):
     # A model's shape is the same at every point: built once per size (the test's time, not crm's)
     monkeypatch.setattr(flops, "model_shape", functools.cache(flops.model_shape))
 
@@ -67,7 +84,7 @@ def test_crm_plan_is_handed_every_setting_the_sharding_depends_on(point):
     assert plan.prompt_share == PLANNED_PROMPT_SHARE  # crm-plan's default is crm-train's plan
 
 
-def test_crm_train_and_crm_plan_choose_the_same_sharding_on_a_grid(an_80_gib_gpu):
+def test_crm_train_and_crm_plan_choose_the_same_sharding_on_a_grid(shapes_once):
     """The issue's case among them: qwen3-8b, 2 nodes x 8, micro batch 3, 2,048 tokens, packed,
     no checkpointing (crm-train said fsdp, crm-plan hsdp)."""
     composed = {model: both(train_overrides(model)) for model in MODELS}
@@ -79,8 +96,9 @@ def test_crm_train_and_crm_plan_choose_the_same_sharding_on_a_grid(an_80_gib_gpu
                       parallel=replace(run.parallel, activation_checkpointing=checkpointing))
         plan = replace(plan, seq_len=tokens, packing=packing, micro_batch_size=micro,
                        activation_checkpointing=checkpointing)
-        by_train = resolving.choose_sharding(run, None, micro, True, packing, nodes, DEVICES)
-        by_plan = plan_cli.resolve_sharding(flops.model_shape(plan.model, plan.kind), plan, nodes,
+        by_train = resolving.choose_sharding(run, None, micro, True, packing, GPU_GIB, nodes,
+                                             DEVICES)
+        by_plan = planning.resolve_sharding(flops.model_shape(plan.model, plan.kind), plan, nodes,
                                             DEVICES)
         assert by_train == by_plan, (model, nodes, micro, tokens, packing, checkpointing)
         choices[by_train] += 1

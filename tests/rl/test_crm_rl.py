@@ -99,8 +99,9 @@ def test_a_prompt_file_with_every_prompt_held_out_is_a_config_error(tmp_path):
 def test_a_policy_of_ones_own_is_loaded_from_its_directory_without_warm_up(tmp_path):
     from helpers import tiny_tokenizer
 
-    from crm.rl.demo import Guards, Plan, PolicySettings, Run, _initial_policy
-    from crm.rl.policy import PolicyConfig, build_policy
+    from crm.rl.config import Guards, Plan, PolicyConfig, PolicySettings, Run
+    from crm.rl.demo import _initial_policy
+    from crm.rl.policy import build_policy
 
     tokenizer = tiny_tokenizer()
     build_policy(tokenizer, PolicyConfig(hidden_size=32, intermediate_size=64), 0).save_pretrained(tmp_path)

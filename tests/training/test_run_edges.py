@@ -11,9 +11,9 @@ import pytest
 from test_train import compose_train, run_train
 
 from crm.cli import train as train_cli
-from crm.cli.common import settings
+from crm.cli.schema import settings
 from crm.core.errors import ConfigError
-from crm.data.stream import StreamConfig
+from crm.data.config import StreamConfig
 from crm.models import packing
 from crm.training.callbacks import ExportBest
 

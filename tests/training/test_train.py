@@ -27,10 +27,10 @@ import crm_configs
 from crm.data.packing import unpack
 from crm.models.checkpoint import load_checkpoint, model_weights
 from crm.core.errors import ConfigError
-from crm.cli.common import settings
+from crm.cli.schema import settings
 from crm.cli.train import train, transform_config
 from crm.training.module import CRMModule, OptimConfig
-from crm.training.trainer import batch_plan, world_size
+from crm.training.resolve import batch_plan, world_size
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.data.padding import pad_rows
 from crm.core.records import Message
@@ -597,7 +597,7 @@ def test_configuration_errors_name_the_setting(demo_root, tmp_path, overrides, m
 
 
 def test_a_configuration_error_is_one_line_without_a_traceback(tmp_path):
-    # The command's wrapper (crm/cli/common.py: one_line_config_errors), once, in a process of its own.
+    # The command's wrapper (crm/cli/errors.py: one_line_config_errors), once, in a process of its own.
     env = {**os.environ, "CRM_ROOT": str(tmp_path)}
     done = subprocess.run([str(Path(sys.executable).parent / "crm-train"), "global_batch_size=10",
                            "micro_batch_size=4"], env=env, capture_output=True, text=True, timeout=300)

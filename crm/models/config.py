@@ -1,0 +1,92 @@
+"""The model layer's settings as a user writes them: the model, loss and lora groups' schema
+(configs/model, configs/loss, configs/lora), the dtype names and the `compile` setting's check.
+
+Plain Python, no torch: every command composes and checks its config before it does any work, and
+`--help` or a refused value must not wait for torch and transformers to load (docs/DESIGN.md
+section 6). The code that reads these settings (factory, lora, backbone, compile) imports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("pairwise", "pointwise")
+# The dtypes a setting may name; crm.models.backbone.DTYPES maps each to its torch dtype.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Every linear layer of a Qwen3 decoder layer: attention's four projections and the MLP's three.
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def resolve_compile(setting, device_type: str) -> bool:
+    """The `compile` setting for a model on `device_type`: auto = on where it runs on CUDA.
+
+    On CPU compiling costs more than it saves for crm's sizes (docs/PERFORMANCE.md section 9), so
+    there it is only done when asked for.
+    """
+    if setting == "auto":
+        return device_type == "cuda"
+    if setting is True or setting is False:  # not `in (True, False)`: 0, 1 and 1.0 equal those
+        return setting
+    raise ValueError(f"compile={setting!r}: expected auto, true or false")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str | None = None  # the option's name (configs/model/<name>.yaml); runs and reports show it
+    path: str | None = None  # a local HF checkpoint dir: its architecture and weights replace `arch`
+    tokenizer: str | None = None  # a local tokenizer dir (default: path)
+    vocab_size: int | None = None  # the BPE vocabulary trained when there is no tokenizer (tiny models)
+    attention: str = "auto"  # auto | sdpa | eager | flash_attention_2 (eager only; backbone.choose_attention)
+    dtype: str = "float32"  # parameter dtype at build, a name in DTYPE_NAMES
+    arch: Any = None  # a name in backbone.ARCHITECTURES, or a dict of Qwen3Config fields
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"model.dtype={self.dtype}: expected one of {', '.join(DTYPE_NAMES)}")
+
+    def architecture(self, vocab_size: int | None = None) -> str | dict | None:
+        """`arch`, a tiny model's fields with its tokenizer's vocabulary when `vocab_size` is given."""
+        if isinstance(self.arch, dict) and vocab_size is not None:
+            return {**self.arch, "vocab_size": vocab_size}
+        return self.arch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    kind: str = "pairwise"  # pairwise: L_cls, cross-entropy | pointwise: L_ranking, Bradley-Terry
+    name: str | None = None  # the option's name (configs/loss/<name>.yaml): cls | ranking
+    margin: float = 0.0  # pointwise: -logsigmoid(r_c - r_r - margin)
+    center_coef: float = 0.0  # pointwise: + center_coef * (r_c + r_r)^2
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"loss.kind={self.kind}: expected one of {', '.join(KINDS)}")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA's settings (crm.models.lora injects and merges the adapters)."""
+
+    rank: int = 0  # LoRA's r; 0 = train the whole model
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
+    base_dtype: str = "bfloat16"  # dtype of the frozen base weights (no optimizer state, no master copy)
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank}: expected 0 (full training) or a positive rank")
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the linear layers to adapt "
+                             f"(default: {', '.join(DECODER_LINEARS)})")
+        if self.base_dtype not in DTYPE_NAMES:
+            raise ValueError(f"lora.base_dtype={self.base_dtype}: expected one of "
+                             f"{', '.join(DTYPE_NAMES)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
