@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 
 import crm.cli.train
+import crm.training.datamodule
 from crm.data.stream import PairStream, StreamLoader
 from crm.training.datamodule import CRMDataModule
 from crm.data.padding import pad_rows
@@ -91,5 +92,7 @@ class GlobalBatchDataModule(CRMDataModule):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    crm.cli.train.CRMDataModule = GlobalBatchDataModule
+    # crm-train imports its data module inside `train` (its imports wait for its checks): the
+    # module's attribute is what that import reads.
+    crm.training.datamodule.CRMDataModule = GlobalBatchDataModule
     crm.cli.train.main()
