@@ -41,7 +41,7 @@ from crm.data.demo import (ATTRIBUTES, BENCH_BASELINE, CAVEAT_MARKERS, CROWD_TAS
                            EXAMPLE_MARKERS, HELDOUT_WORDINGS, POLES, STRUCTURE, TRAIN_WORDINGS,
                            bench_styles)
 from crm.evaluation.leaderboard import LOSS, TIE, WIN, Bootstrap, judge, select, win_rates
-from crm.evaluation.ppi import wilson
+from crm.evaluation.ppi import CellData, ppi_group, wilson
 
 VERDICTS = (WIN, TIE, LOSS)
 
@@ -70,6 +70,54 @@ def rule_verdicts(styles: dict, records, models, poles, taste: bool) -> dict:
                             for a, (favoured, weight) in CROWD_TASTE.items() if style[a] != baseline[a])
             out[record.idx, model] = WIN if score > 0 else LOSS if score < 0 else TIE
     return out
+
+
+SHAPES = ("exact", "unanimous", "partial", "mixed", "unseparated")
+
+
+def pair_shapes(styles: dict, records, models, poles) -> dict:
+    """(idx, model) -> how the criteria's poles meet the pair, against the demo's training pairs,
+    whose criteria name exactly the attributes on which the two responses differ, every one in
+    favour of one side (crm.data.demo). `exact`: that shape; `unanimous`: every named attribute
+    differs, all for one side, and unnamed ones differ too; `partial`: some named attributes do
+    not differ, the others all favour one side; `mixed`: the named attributes that differ favour
+    both sides; `unseparated`: no named attribute differs. The demo CRM has seen only `exact`."""
+    wanted = [POLES[p] for p in poles]
+    named = {a for a, _ in wanted}
+    out = {}
+    for q, record in enumerate(records):
+        baseline = styles[BENCH_BASELINE][q]
+        for model in models:
+            style = styles[model][q]
+            sides = {style[a] == side for a, side in wanted if style[a] != baseline[a]}
+            differing = sum(style[a] != baseline[a] for a, _ in wanted)
+            others = any(style[a] != baseline[a] for a in range(len(ATTRIBUTES)) if a not in named)
+            out[record.idx, model] = (
+                "unseparated" if not sides else "mixed" if len(sides) > 1
+                else "partial" if differing < len(wanted) else "unanimous" if others else "exact")
+    return out
+
+
+def within_model_r2(y: np.ndarray, f: np.ndarray, model_of: np.ndarray) -> float:
+    """The share of the user's win indicator's variance within models that the CRM's P(win)
+    explains (one slope, an intercept per model): rho^2 of PPI's within-cell regression. A model's
+    own rectifier then has sd sqrt(1 - rho^2) of its votes' alone, whatever lambda is."""
+    yc, fc = y.astype(float).copy(), f.astype(float).copy()
+    for m in np.unique(model_of):
+        at = model_of == m
+        yc[at] -= yc[at].mean()
+        fc[at] -= fc[at].mean()
+    if not (fc ** 2).sum() or not (yc ** 2).sum():
+        return 0.0
+    return float((yc @ fc) ** 2 / ((fc @ fc) * (yc @ yc)))
+
+
+def oracle_spread(y: np.ndarray, f: np.ndarray, model_of: np.ndarray, models) -> float:
+    """The true tau^2: the spread across models of their true win rate less lambda times the
+    CRM's mean P(win), lambda PPI++'s over all pairs (what the votes estimate)."""
+    lam = float(np.clip(np.cov(y, f)[0, 1] / np.var(f, ddof=1), 0.0, 1.0)) if np.var(f) else 0.0
+    rect = [y[model_of == m].mean() - lam * f[model_of == m].mean() for m in models]
+    return float(np.var(rect, ddof=1))
 
 
 def check_styles(styles: dict, records) -> None:
@@ -106,12 +154,21 @@ def summarise(cases: list[dict]) -> dict:
                                   "bootstrap": mean("boot_rank_covers")},
             "rank_set_mean_size": {"ppi": mean("ppi_rank_size"), "bootstrap": mean("boot_rank_size")},
             "crm_agreement_with_user": mean("agreement"),
+            "crm_win_agreement_with_user": mean("win_agreement"),
+            "within_model_rho2": mean("within_r2"),
+            "unpooled_width_bound_sqrt_1_minus_rho2": round(float(np.mean(
+                [np.sqrt(1 - c["within_r2"]) for c in cases])), 4),
+            "oracle_spread": {"coverage": mean("oracle_covers"), "mean_width": mean("oracle_width"),
+                              "over_votes_only_width": round(mean("oracle_width")
+                                                             / mean("votes_width"), 4)},
             "mean_votes_per_model": mean("votes")}
 
 
 def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot, ppi_spec,
              cases: list) -> None:
-    """One user: their verdicts, true win rates and ranks, 50 random votes, their PPI board."""
+    """One user: their verdicts, true win rates and ranks, 50 random votes, their PPI board;
+    beside it the CRM's fit to this user (win agreement, within-model rho^2) and PPI's intervals
+    had the CRM's spread of error across models been known (the oracle tau^2)."""
     noisy = rng.random(len(keys)) < args.noise
     drawn = rng.integers(0, 3, len(keys))
     user = {k: VERDICTS[drawn[i]] if noisy[i] else rule[k] for i, k in enumerate(keys)}
@@ -121,13 +178,27 @@ def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot
     voted = rng.choice(len(keys), size=args.votes, replace=False)
     votes = {keys[i]: user[keys[i]] for i in voted}
     rows = {r["model"]: r for r in win_rates(outcomes, models, topics, ppi_spec, votes)}
-    agreement = float(np.mean([crm[k] == user[k] for k in keys]))
+    agreement = float(np.mean([crm[k].result == user[k] for k in keys]))
+    y = np.array([user[k] == WIN for k in keys], dtype=float)
+    f = np.array([crm[k].p_win for k in keys])
+    model_of = np.array([k[1] for k in keys])
+    win_agreement = float(np.mean([(crm[k].result == WIN) == (user[k] == WIN) for k in keys]))
+    r2 = within_model_r2(y, f, model_of)
+    cells = []
+    for m in models:
+        at = [i for i, k in enumerate(keys) if k[1] == m]
+        mine = [i for i in at if keys[i] in votes]
+        cells.append(CellData(f[at], f[mine], y[mine]))
+    oracle = dict(zip(models, ppi_group(cells, spread=oracle_spread(y, f, model_of, models))))
     for m in models:
         ppi, bt = rows[m]["overall"], boot[m]["overall"]
         mine = [user[k] == WIN for k in votes if k[1] == m]
         only = wilson(mine, args.level) or (0.0, 1.0)
         lo, hi = ranks[m]
+        best = oracle[m].interval(args.level)
         cases.append({
+            "oracle_covers": best[0] <= truth[m] <= best[1], "oracle_width": best[1] - best[0],
+            "win_agreement": win_agreement, "within_r2": r2,
             "ppi_covers": ppi["ci_low"] <= truth[m] <= ppi["ci_high"],
             "ppi_width": ppi["ci_high"] - ppi["ci_low"],
             "boot_covers": bt["ci_low"] <= truth[m] <= bt["ci_high"],
@@ -179,16 +250,22 @@ def main() -> None:
     ppi_spec = Bootstrap(level=args.level, method="ppi")
     boot_spec = Bootstrap(level=args.level, method="bootstrap")
     cases = {(kind, user): [] for kind in ("train", "heldout") for user in ("even", "taste")}
-    sets = []
+    sets, tie_verdicts = [], []
+    by_shape = {(kind, user, shape): [] for kind in ("train", "heldout")
+                for user in ("even", "taste") for shape in SHAPES}
     for kind, wordings in (("train", TRAIN_WORDINGS), ("heldout", HELDOUT_WORDINGS)):
         for _ in range(args.sets):
             criteria, poles = draw_criteria(rng, wordings)
             outcomes = judge(scorer, selection, criteria)  # once per criteria set
-            crm = {(o.idx, o.model): o.result for o in outcomes}
+            crm = {(o.idx, o.model): o for o in outcomes}
+            tie_verdicts.extend(o.result for o in outcomes)
             boot = {r["model"]: r for r in win_rates(outcomes, models, topics, boot_spec)}
             sets.append({"kind": kind, "criteria": criteria, "poles": poles})
+            shapes = pair_shapes(styles, records, models, poles)
             for user_kind in ("even", "taste"):
                 rule = rule_verdicts(styles, records, models, poles, user_kind == "taste")
+                for k in keys:
+                    by_shape[kind, user_kind, shapes[k]].append(crm[k].result == rule[k])
                 for _ in range(args.users):
                     simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot,
                              ppi_spec, cases[kind, user_kind])
@@ -208,6 +285,15 @@ def main() -> None:
             "heldout_wordings": summarise(cases["heldout", user]),
             "all": summarise(cases["train", user] + cases["heldout", user])}
            for user in ("even", "taste")},
+        # the CRM's verdict against the user's rule (before their noise), by how the criteria meet
+        # the pair: what separates the README's 0.95 (test pairs of the `exact` shape) from here
+        "crm_agreement_by_pair_shape": {
+            f"{kind}_wordings": {shape: {
+                "pairs": len(by_shape[kind, "even", shape]),
+                **{f"{user}_user": round(float(np.mean(by_shape[kind, user, shape])), 4)
+                   if by_shape[kind, user, shape] else None for user in ("even", "taste")}}
+                for shape in SHAPES} for kind in ("train", "heldout")},
+        "crm_tie_verdicts": round(float(np.mean([o == TIE for o in tie_verdicts])), 4),
         "cpu": platform.processor() or platform.machine(), "torch_threads": args.threads,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "criteria": sets,
