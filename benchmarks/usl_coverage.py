@@ -23,9 +23,18 @@ true Overall win rate, the mean width, PPI's width over the votes-only width, th
 rank set holds the true rank (strict: every rank the model's true win rate could hold, ties in
 truth counted as the whole tied range), and the mean rank-set size.
 
+Beside them, why PPI is as wide as it is (docs/EVALUATION.md section 7): the CRM's agreement with
+the user on the win indicator PPI uses (a tie is not a win), rho^2 (the share of the user's win
+indicator's variance within a model that the CRM's P(win) explains; a model's own rectifier
+then has sqrt(1 - rho^2) of its votes-only sd), PPI's intervals at the oracle tau^2 (the true
+spread of the CRM's error across models, which the votes only bound), and the CRM's agreement
+with the user's rule by how the criteria meet the pair (`pair_shapes`: `exact` is the demo's
+training shape). `--synthetic-crm ERROR` replaces the CRM by the user's own rule with its win
+verdict flipped on that share of the pairs: what the same estimator gives with a CRM that fits.
+
     nice -n 5 python benchmarks/usl_coverage.py [--checkpoint outputs/demo/export]
         [--bench .cache/demo/raw/bench.jsonl] [--sets 20] [--users 6] [--votes 50] [--level 0.95]
-        [--noise 0.1] [--seed 0] [--threads 1] [--out FILE]
+        [--noise 0.1] [--seed 0] [--threads 1] [--synthetic-crm ERROR] [--out FILE]
 """
 from __future__ import annotations
 
@@ -40,7 +49,8 @@ import numpy as np
 from crm.data.demo import (ATTRIBUTES, BENCH_BASELINE, CAVEAT_MARKERS, CROWD_TASTE,
                            EXAMPLE_MARKERS, HELDOUT_WORDINGS, POLES, STRUCTURE, TRAIN_WORDINGS,
                            bench_styles)
-from crm.evaluation.leaderboard import LOSS, TIE, WIN, Bootstrap, judge, select, win_rates
+from crm.evaluation.leaderboard import (LOSS, TIE, WIN, Bootstrap, Outcome, judge, select,
+                                        win_rates)
 from crm.evaluation.ppi import CellData, ppi_group, wilson
 
 VERDICTS = (WIN, TIE, LOSS)
@@ -118,6 +128,18 @@ def oracle_spread(y: np.ndarray, f: np.ndarray, model_of: np.ndarray, models) ->
     lam = float(np.clip(np.cov(y, f)[0, 1] / np.var(f, ddof=1), 0.0, 1.0)) if np.var(f) else 0.0
     rect = [y[model_of == m].mean() - lam * f[model_of == m].mean() for m in models]
     return float(np.var(rect, ddof=1))
+
+
+def synthetic_outcomes(rule: dict, records, models, error: float,
+                       rng: np.random.Generator) -> list:
+    """A CRM that is the user's rule, its verdict flipped between win and not-win on a share
+    `error` of the pairs (P(win) 1 or 0): what PPI gives with a CRM that fits its user."""
+    out = []
+    for record in records:
+        for model in models:
+            won = (rule[record.idx, model] == WIN) != (rng.random() < error)
+            out.append(Outcome(model, record.topic, WIN if won else LOSS, float(won), record.idx))
+    return out
 
 
 def check_styles(styles: dict, records) -> None:
@@ -227,6 +249,9 @@ def main() -> None:
     parser.add_argument("--spread-level", type=float, default=None,
                         help="the confidence level of PPI's tau^2 bound (crm.evaluation.ppi."
                              "SPREAD_LEVEL, 0.95): a study of the estimator, not a setting")
+    parser.add_argument("--synthetic-crm", type=float, default=None, metavar="ERROR",
+                        help="no CRM: each user kind's rule with its win verdict flipped on this "
+                             "share of pairs stands in for it (a study of the estimator)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.spread_level is not None:
@@ -240,7 +265,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    scorer = CRMScorer.load(args.checkpoint, batch_size=32, device=torch.device("cpu"))
+    scorer = (None if args.synthetic_crm is not None else
+              CRMScorer.load(args.checkpoint, batch_size=32, device=torch.device("cpu")))
+    synthetic_rng = np.random.default_rng([args.seed, 1])  # the users' draws stay the real run's
     selection = select(args.bench, BENCH_BASELINE)
     records, models, topics = selection.records, selection.models, selection.topics
     styles = bench_styles(args.demo_seed, len(records))
@@ -256,14 +283,18 @@ def main() -> None:
     for kind, wordings in (("train", TRAIN_WORDINGS), ("heldout", HELDOUT_WORDINGS)):
         for _ in range(args.sets):
             criteria, poles = draw_criteria(rng, wordings)
-            outcomes = judge(scorer, selection, criteria)  # once per criteria set
-            crm = {(o.idx, o.model): o for o in outcomes}
-            tie_verdicts.extend(o.result for o in outcomes)
-            boot = {r["model"]: r for r in win_rates(outcomes, models, topics, boot_spec)}
+            if scorer is not None:
+                outcomes = judge(scorer, selection, criteria)  # once per criteria set
             sets.append({"kind": kind, "criteria": criteria, "poles": poles})
             shapes = pair_shapes(styles, records, models, poles)
             for user_kind in ("even", "taste"):
                 rule = rule_verdicts(styles, records, models, poles, user_kind == "taste")
+                if scorer is None:
+                    outcomes = synthetic_outcomes(rule, records, models, args.synthetic_crm,
+                                                  synthetic_rng)
+                crm = {(o.idx, o.model): o for o in outcomes}
+                tie_verdicts.extend(o.result for o in outcomes)
+                boot = {r["model"]: r for r in win_rates(outcomes, models, topics, boot_spec)}
                 for k in keys:
                     by_shape[kind, user_kind, shapes[k]].append(crm[k].result == rule[k])
                 for _ in range(args.users):
@@ -273,13 +304,14 @@ def main() -> None:
         "benchmark": "usl_coverage",
         "command": "nice -n 5 python benchmarks/usl_coverage.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "checkpoint": args.checkpoint, "bench": args.bench,
+        "checkpoint": None if scorer is None else args.checkpoint, "bench": args.bench,
+        "synthetic_crm_error": args.synthetic_crm,
         "pairs": len(keys), "models": len(models), "queries": len(records),
         "users_per_kind": {"train_wordings": args.users * args.sets,
                            "heldout_wordings": args.users * args.sets},
         "votes_per_user": args.votes, "level": args.level, "user_noise": args.noise,
         "spread_level": args.spread_level or 0.95,
-        "criteria_sets": len(sets), "crm_sequences": int(scorer.counts["sequences"]),
+        "criteria_sets": len(sets), "crm_sequences": int(scorer.counts["sequences"]) if scorer else 0,
         **{f"{user}_user": {
             "train_wordings": summarise(cases["train", user]),
             "heldout_wordings": summarise(cases["heldout", user]),
