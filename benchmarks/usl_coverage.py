@@ -23,9 +23,18 @@ true Overall win rate, the mean width, PPI's width over the votes-only width, th
 rank set holds the true rank (strict: every rank the model's true win rate could hold, ties in
 truth counted as the whole tied range), and the mean rank-set size.
 
+Beside them, why PPI is as wide as it is (docs/EVALUATION.md section 7): the CRM's agreement with
+the user on the win indicator PPI uses (a tie is not a win), rho^2 (the share of the user's win
+indicator's variance within a model that the CRM's P(win) explains; a model's own rectifier
+then has sqrt(1 - rho^2) of its votes-only sd), PPI's intervals at the oracle tau^2 (the true
+spread of the CRM's error across models, which the votes only bound), and the CRM's agreement
+with the user's rule by how the criteria meet the pair (`pair_shapes`: `exact` is the demo's
+training shape). `--synthetic-crm ERROR` replaces the CRM by the user's own rule with its win
+verdict flipped on that share of the pairs: what the same estimator gives with a CRM that fits.
+
     nice -n 5 python benchmarks/usl_coverage.py [--checkpoint outputs/demo/export]
         [--bench .cache/demo/raw/bench.jsonl] [--sets 20] [--users 6] [--votes 50] [--level 0.95]
-        [--noise 0.1] [--seed 0] [--threads 1] [--out FILE]
+        [--noise 0.1] [--seed 0] [--threads 1] [--synthetic-crm ERROR] [--out FILE]
 """
 from __future__ import annotations
 
@@ -40,8 +49,9 @@ import numpy as np
 from crm.data.demo import (ATTRIBUTES, BENCH_BASELINE, CAVEAT_MARKERS, CROWD_TASTE,
                            EXAMPLE_MARKERS, HELDOUT_WORDINGS, POLES, STRUCTURE, TRAIN_WORDINGS,
                            bench_styles)
-from crm.evaluation.leaderboard import LOSS, TIE, WIN, Bootstrap, judge, select, win_rates
-from crm.evaluation.ppi import wilson
+from crm.evaluation.leaderboard import (LOSS, TIE, WIN, Bootstrap, Outcome, judge, select,
+                                        win_rates)
+from crm.evaluation.ppi import CellData, ppi_group, wilson
 
 VERDICTS = (WIN, TIE, LOSS)
 
@@ -69,6 +79,66 @@ def rule_verdicts(styles: dict, records, models, poles, taste: bool) -> dict:
                 score = sum(weight if style[a] == favoured else -weight
                             for a, (favoured, weight) in CROWD_TASTE.items() if style[a] != baseline[a])
             out[record.idx, model] = WIN if score > 0 else LOSS if score < 0 else TIE
+    return out
+
+
+SHAPES = ("exact", "unanimous", "partial", "mixed", "unseparated")
+
+
+def pair_shapes(styles: dict, records, models, poles) -> dict:
+    """(idx, model) -> how the criteria's poles meet the pair, against the demo's training pairs,
+    whose criteria name exactly the attributes on which the two responses differ, every one in
+    favour of one side (crm.data.demo). `exact`: that shape; `unanimous`: every named attribute
+    differs, all for one side, and unnamed ones differ too; `partial`: some named attributes do
+    not differ, the others all favour one side; `mixed`: the named attributes that differ favour
+    both sides; `unseparated`: no named attribute differs. The demo CRM has seen only `exact`."""
+    wanted = [POLES[p] for p in poles]
+    named = {a for a, _ in wanted}
+    out = {}
+    for q, record in enumerate(records):
+        baseline = styles[BENCH_BASELINE][q]
+        for model in models:
+            style = styles[model][q]
+            sides = {style[a] == side for a, side in wanted if style[a] != baseline[a]}
+            differing = sum(style[a] != baseline[a] for a, _ in wanted)
+            others = any(style[a] != baseline[a] for a in range(len(ATTRIBUTES)) if a not in named)
+            out[record.idx, model] = (
+                "unseparated" if not sides else "mixed" if len(sides) > 1
+                else "partial" if differing < len(wanted) else "unanimous" if others else "exact")
+    return out
+
+
+def within_model_r2(y: np.ndarray, f: np.ndarray, model_of: np.ndarray) -> float:
+    """The share of the user's win indicator's variance within models that the CRM's P(win)
+    explains (one slope, an intercept per model): rho^2 of PPI's within-cell regression. A model's
+    own rectifier then has sd sqrt(1 - rho^2) of its votes' alone, whatever lambda is."""
+    yc, fc = y.astype(float).copy(), f.astype(float).copy()
+    for m in np.unique(model_of):
+        at = model_of == m
+        yc[at] -= yc[at].mean()
+        fc[at] -= fc[at].mean()
+    if not (fc ** 2).sum() or not (yc ** 2).sum():
+        return 0.0
+    return float((yc @ fc) ** 2 / ((fc @ fc) * (yc @ yc)))
+
+
+def oracle_spread(y: np.ndarray, f: np.ndarray, model_of: np.ndarray, models) -> float:
+    """The true tau^2: the spread across models of their true win rate less lambda times the
+    CRM's mean P(win), lambda PPI++'s over all pairs (what the votes estimate)."""
+    lam = float(np.clip(np.cov(y, f)[0, 1] / np.var(f, ddof=1), 0.0, 1.0)) if np.var(f) else 0.0
+    rect = [y[model_of == m].mean() - lam * f[model_of == m].mean() for m in models]
+    return float(np.var(rect, ddof=1))
+
+
+def synthetic_outcomes(rule: dict, records, models, error: float,
+                       rng: np.random.Generator) -> list:
+    """A CRM that is the user's rule, its verdict flipped between win and not-win on a share
+    `error` of the pairs (P(win) 1 or 0): what PPI gives with a CRM that fits its user."""
+    out = []
+    for record in records:
+        for model in models:
+            won = (rule[record.idx, model] == WIN) != (rng.random() < error)
+            out.append(Outcome(model, record.topic, WIN if won else LOSS, float(won), record.idx))
     return out
 
 
@@ -106,12 +176,21 @@ def summarise(cases: list[dict]) -> dict:
                                   "bootstrap": mean("boot_rank_covers")},
             "rank_set_mean_size": {"ppi": mean("ppi_rank_size"), "bootstrap": mean("boot_rank_size")},
             "crm_agreement_with_user": mean("agreement"),
+            "crm_win_agreement_with_user": mean("win_agreement"),
+            "within_model_rho2": mean("within_r2"),
+            "unpooled_width_bound_sqrt_1_minus_rho2": round(float(np.mean(
+                [np.sqrt(1 - c["within_r2"]) for c in cases])), 4),
+            "oracle_spread": {"coverage": mean("oracle_covers"), "mean_width": mean("oracle_width"),
+                              "over_votes_only_width": round(mean("oracle_width")
+                                                             / mean("votes_width"), 4)},
             "mean_votes_per_model": mean("votes")}
 
 
 def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot, ppi_spec,
              cases: list) -> None:
-    """One user: their verdicts, true win rates and ranks, 50 random votes, their PPI board."""
+    """One user: their verdicts, true win rates and ranks, 50 random votes, their PPI board;
+    beside it the CRM's fit to this user (win agreement, within-model rho^2) and PPI's intervals
+    had the CRM's spread of error across models been known (the oracle tau^2)."""
     noisy = rng.random(len(keys)) < args.noise
     drawn = rng.integers(0, 3, len(keys))
     user = {k: VERDICTS[drawn[i]] if noisy[i] else rule[k] for i, k in enumerate(keys)}
@@ -121,13 +200,27 @@ def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot
     voted = rng.choice(len(keys), size=args.votes, replace=False)
     votes = {keys[i]: user[keys[i]] for i in voted}
     rows = {r["model"]: r for r in win_rates(outcomes, models, topics, ppi_spec, votes)}
-    agreement = float(np.mean([crm[k] == user[k] for k in keys]))
+    agreement = float(np.mean([crm[k].result == user[k] for k in keys]))
+    y = np.array([user[k] == WIN for k in keys], dtype=float)
+    f = np.array([crm[k].p_win for k in keys])
+    model_of = np.array([k[1] for k in keys])
+    win_agreement = float(np.mean([(crm[k].result == WIN) == (user[k] == WIN) for k in keys]))
+    r2 = within_model_r2(y, f, model_of)
+    cells = []
+    for m in models:
+        at = [i for i, k in enumerate(keys) if k[1] == m]
+        mine = [i for i in at if keys[i] in votes]
+        cells.append(CellData(f[at], f[mine], y[mine]))
+    oracle = dict(zip(models, ppi_group(cells, spread=oracle_spread(y, f, model_of, models))))
     for m in models:
         ppi, bt = rows[m]["overall"], boot[m]["overall"]
         mine = [user[k] == WIN for k in votes if k[1] == m]
         only = wilson(mine, args.level) or (0.0, 1.0)
         lo, hi = ranks[m]
+        best = oracle[m].interval(args.level)
         cases.append({
+            "oracle_covers": best[0] <= truth[m] <= best[1], "oracle_width": best[1] - best[0],
+            "win_agreement": win_agreement, "within_r2": r2,
             "ppi_covers": ppi["ci_low"] <= truth[m] <= ppi["ci_high"],
             "ppi_width": ppi["ci_high"] - ppi["ci_low"],
             "boot_covers": bt["ci_low"] <= truth[m] <= bt["ci_high"],
@@ -156,6 +249,9 @@ def main() -> None:
     parser.add_argument("--spread-level", type=float, default=None,
                         help="the confidence level of PPI's tau^2 bound (crm.evaluation.ppi."
                              "SPREAD_LEVEL, 0.95): a study of the estimator, not a setting")
+    parser.add_argument("--synthetic-crm", type=float, default=None, metavar="ERROR",
+                        help="no CRM: each user kind's rule with its win verdict flipped on this "
+                             "share of pairs stands in for it (a study of the estimator)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.spread_level is not None:
@@ -169,7 +265,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    scorer = CRMScorer.load(args.checkpoint, batch_size=32, device=torch.device("cpu"))
+    scorer = (None if args.synthetic_crm is not None else
+              CRMScorer.load(args.checkpoint, batch_size=32, device=torch.device("cpu")))
+    synthetic_rng = np.random.default_rng([args.seed, 1])  # the users' draws stay the real run's
     selection = select(args.bench, BENCH_BASELINE)
     records, models, topics = selection.records, selection.models, selection.topics
     styles = bench_styles(args.demo_seed, len(records))
@@ -179,16 +277,26 @@ def main() -> None:
     ppi_spec = Bootstrap(level=args.level, method="ppi")
     boot_spec = Bootstrap(level=args.level, method="bootstrap")
     cases = {(kind, user): [] for kind in ("train", "heldout") for user in ("even", "taste")}
-    sets = []
+    sets, tie_verdicts = [], []
+    by_shape = {(kind, user, shape): [] for kind in ("train", "heldout")
+                for user in ("even", "taste") for shape in SHAPES}
     for kind, wordings in (("train", TRAIN_WORDINGS), ("heldout", HELDOUT_WORDINGS)):
         for _ in range(args.sets):
             criteria, poles = draw_criteria(rng, wordings)
-            outcomes = judge(scorer, selection, criteria)  # once per criteria set
-            crm = {(o.idx, o.model): o.result for o in outcomes}
-            boot = {r["model"]: r for r in win_rates(outcomes, models, topics, boot_spec)}
+            if scorer is not None:
+                outcomes = judge(scorer, selection, criteria)  # once per criteria set
             sets.append({"kind": kind, "criteria": criteria, "poles": poles})
+            shapes = pair_shapes(styles, records, models, poles)
             for user_kind in ("even", "taste"):
                 rule = rule_verdicts(styles, records, models, poles, user_kind == "taste")
+                if scorer is None:
+                    outcomes = synthetic_outcomes(rule, records, models, args.synthetic_crm,
+                                                  synthetic_rng)
+                crm = {(o.idx, o.model): o for o in outcomes}
+                tie_verdicts.extend(o.result for o in outcomes)
+                boot = {r["model"]: r for r in win_rates(outcomes, models, topics, boot_spec)}
+                for k in keys:
+                    by_shape[kind, user_kind, shapes[k]].append(crm[k].result == rule[k])
                 for _ in range(args.users):
                     simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot,
                              ppi_spec, cases[kind, user_kind])
@@ -196,18 +304,28 @@ def main() -> None:
         "benchmark": "usl_coverage",
         "command": "nice -n 5 python benchmarks/usl_coverage.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "checkpoint": args.checkpoint, "bench": args.bench,
+        "checkpoint": None if scorer is None else args.checkpoint, "bench": args.bench,
+        "synthetic_crm_error": args.synthetic_crm,
         "pairs": len(keys), "models": len(models), "queries": len(records),
         "users_per_kind": {"train_wordings": args.users * args.sets,
                            "heldout_wordings": args.users * args.sets},
         "votes_per_user": args.votes, "level": args.level, "user_noise": args.noise,
         "spread_level": args.spread_level or 0.95,
-        "criteria_sets": len(sets), "crm_sequences": int(scorer.counts["sequences"]),
+        "criteria_sets": len(sets), "crm_sequences": int(scorer.counts["sequences"]) if scorer else 0,
         **{f"{user}_user": {
             "train_wordings": summarise(cases["train", user]),
             "heldout_wordings": summarise(cases["heldout", user]),
             "all": summarise(cases["train", user] + cases["heldout", user])}
            for user in ("even", "taste")},
+        # the CRM's verdict against the user's rule (before their noise), by how the criteria meet
+        # the pair: what separates the README's 0.95 (test pairs of the `exact` shape) from here
+        "crm_agreement_by_pair_shape": {
+            f"{kind}_wordings": {shape: {
+                "pairs": len(by_shape[kind, "even", shape]),
+                **{f"{user}_user": round(float(np.mean(by_shape[kind, user, shape])), 4)
+                   if by_shape[kind, user, shape] else None for user in ("even", "taste")}}
+                for shape in SHAPES} for kind in ("train", "heldout")},
+        "crm_tie_verdicts": round(float(np.mean([o == TIE for o in tie_verdicts])), 4),
         "cpu": platform.processor() or platform.machine(), "torch_threads": args.threads,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "criteria": sets,

@@ -86,9 +86,12 @@ def power_tuning(votes: np.ndarray, voted: np.ndarray, predictions: np.ndarray) 
     return float(np.clip(cov / var_f, 0.0, 1.0))
 
 
-def ppi_group(cells: Sequence[CellData], min_votes: int = MIN_VOTES) -> list[Estimate | None]:
+def ppi_group(cells: Sequence[CellData], min_votes: int = MIN_VOTES,
+              spread: float | None = None) -> list[Estimate | None]:
     """One Estimate per cell, pooled as the module says; None for every cell when the group holds
-    fewer than `min_votes` votes, and for a cell without pairs."""
+    fewer than `min_votes` votes, and for a cell without pairs. `spread`: a known tau^2 instead of
+    its upper bound from the votes, for studies only (benchmarks/usl_coverage.py's oracle: how
+    narrow the intervals could be if the CRM's true spread of error across cells were known)."""
     preds = [np.asarray(c.predictions, dtype=float) for c in cells]
     voted = [np.asarray(c.voted_predictions, dtype=float) for c in cells]
     ys = [np.asarray(c.votes, dtype=float) for c in cells]
@@ -106,7 +109,7 @@ def ppi_group(cells: Sequence[CellData], min_votes: int = MIN_VOTES) -> list[Est
     else:  # around the pooled mean: includes the cells' spread, so it errs wide
         s2 = float(np.var(np.concatenate(residuals), ddof=1))
     s2 = max(s2, 1.0 / n)  # all residuals equal: variance 0 would claim certainty from n votes
-    tau2 = _spread_upper_bound(rect, counts, s2)
+    tau2 = _spread_upper_bound(rect, counts, s2) if spread is None else spread
     weights = {i: 1.0 / (s2 / counts[i] + tau2) for i in with_votes}
     total = sum(weights.values())
     pooled = sum(weights[i] * rect[i] for i in with_votes) / total

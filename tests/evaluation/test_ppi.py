@@ -133,3 +133,23 @@ def test_rank_sets_from_simultaneous_intervals():
     assert rank_sets(spans) == [(1, 2), (1, 2), (3, 4), (3, 4)]
     assert rank_sets([(0.0, 1.0)] * 3) == [(1, 3)] * 3
     assert Estimate(0.9, 0.1, 5).interval(0.95)[1] == 1.0  # clipped to [0, 1]
+
+
+def test_a_known_spread_replaces_its_upper_bound():
+    """`spread` (a study's oracle tau^2): 0 pools every cell's rectifier into the group's mean,
+    each cell then as sure as all n votes make it, sd = sqrt(s^2 / n); a huge spread leaves each
+    cell its own rectifier, sd = sqrt(s^2 / n_c)."""
+    a = CellData([1] * 10 + [0] * 10, [1] * 5 + [0] * 5, [1] * 4 + [0] * 6)
+    b = CellData([1] * 6 + [0] * 14, [1] * 3 + [0] * 7, [1] * 4 + [0] * 5 + [1])
+    ys = [y for x in (a, b) for y in x.votes]
+    fs = [f for x in (a, b) for f in x.voted_predictions]
+    lam = statistics.covariance(ys, fs) / statistics.variance(a.predictions + b.predictions)
+    rs = [[y - lam * f for y, f in zip(x.votes, x.voted_predictions)] for x in (a, b)]
+    s2 = sum((v - statistics.mean(r)) ** 2 for r in rs for v in r) / (20 - 2)
+    pooled = statistics.mean(rs[0] + rs[1])
+    got = ppi_group([a, b], min_votes=10, spread=0.0)
+    assert [e.sd for e in got] == pytest.approx([math.sqrt(s2 / 20)] * 2)
+    assert got[0].win_rate == pytest.approx(lam * 0.5 + pooled)
+    apart = ppi_group([a, b], min_votes=10, spread=1e9)
+    assert [e.sd for e in apart] == pytest.approx([math.sqrt(s2 / 10)] * 2, rel=1e-6)
+    assert apart[0].win_rate == pytest.approx(lam * 0.5 + statistics.mean(rs[0]), rel=1e-6)
