@@ -152,6 +152,8 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.data.manifest import load_manifest
     from crm.data.reader import training_texts
     from crm.evaluation.accuracy import evaluate_files
+    from crm.evaluation.benchmarks import score_benchmarks
+    from crm.evaluation.criteria_check import check_validation
     from crm.inference.scorer import CRMScorer
     from crm.models.factory import build_crm
     from crm.models.tokenizer import load_or_train_tokenizer
@@ -225,12 +227,12 @@ def train(cfg: DictConfig) -> dict | None:
             callbacks["export"].export(trainer, module)
             if not metrics["preempted"] and run.evaluate:
                 scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-                metrics["shortcut_check"] = check_shortcuts(scorer, shard_dir)
+                metrics["shortcut_check"] = check_validation(scorer, shard_dir)
                 if run.data.test_files:
                     metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
                 if benchmarks:
-                    metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir, logger,
-                                                             trainer.global_step)
+                    metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir / "benchmarks",
+                                                             logger, trainer.global_step)
         curves = run_dir / "csv" / "metrics.csv"
         if run.logger.name == "csv" and curves.is_file():
             plot_curves(curves)
@@ -240,25 +242,6 @@ def train(cfg: DictConfig) -> dict | None:
         return metrics
     finally:
         callbacks["preemption"].release()
-
-
-def check_shortcuts(scorer, shard_dir: Path) -> dict | None:
-    """The exported CRM on its own validation records (crm.evaluation.criteria_check): a
-    criteria-blind or slot-following model is a warning at the end of the run, which its
-    validation loss alone does not show."""
-    from crm.core.records import parse_train
-    from crm.data.manifest import load_manifest
-    from crm.data.reader import iter_shard
-    from crm.evaluation.criteria_check import shortcut_check
-
-    manifest = load_manifest(shard_dir)
-    if "val" not in manifest.splits:
-        return None
-    records = (parse_train(obj) for shard in manifest.shards("val") for _, obj in iter_shard(shard.url))
-    result = shortcut_check(scorer, records)
-    for warning in (result or {}).get("warnings", []):
-        log.warning("the trained CRM is %s", warning)
-    return result
 
 
 def keep_earlier_figures(train: dict, earlier: Path) -> None:
@@ -278,25 +261,6 @@ def keep_earlier_figures(train: dict, earlier: Path) -> None:
         train[key] = before[key]
     if kept:
         train["figures_from"] = before.get("figures_from") or "an earlier process (this one trained no step)"
-
-
-def score_benchmarks(scorer, benchmarks: list[Benchmark], run_dir: Path, logger, step: int) -> dict:
-    """Each benchmark's metrics (scores.jsonl in run_dir/benchmarks/<name>), logged per subset as
-    benchmark/<name>/<figure> (global rank 0, after the process group is left)."""
-    results = {}
-    for benchmark in benchmarks:
-        from crm.evaluation.benchmarks import run_benchmark
-
-        result = run_benchmark(scorer, benchmark, run_dir / "benchmarks" / benchmark.name)
-        log.info("%s", describe(result))
-        results[benchmark.name] = result
-        if logger:
-            logger.log_metrics({f"benchmark/{benchmark.name}/{key}": value
-                                for key, value in result["summary"].items() if value is not None},
-                               step=step)
-    if logger:
-        logger.save()
-    return results
 
 
 def read_benchmarks(run: TrainConfig) -> list[Benchmark]:

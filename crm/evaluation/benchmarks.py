@@ -21,6 +21,7 @@ NaN: every comparison with NaN is false, so it counts as wrong, and `unscorable`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import warnings
@@ -48,6 +49,8 @@ FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 # Sequences per scorer call: their token ids are held at once (a Ties prompt of 30 completions is
 # 870 sequences for a pairwise CRM), and the batches sort by length within a call.
 SEQUENCES_PER_CALL = 4096
+
+log = logging.getLogger(__name__)
 
 
 class BenchmarkError(ConfigError):
@@ -669,6 +672,23 @@ def run_benchmark(scorer, benchmark: Benchmark, out_dir: str | Path,
     return {"benchmark": benchmark.name, "path": benchmark.path, "kind": scorer.kind,
             **counts, "skipped": benchmark.skipped, "criteria": benchmark.criteria,
             "summary": summary(benchmark.name, metrics), **metrics}
+
+
+def score_benchmarks(scorer, benchmarks: list[Benchmark], out_dir: Path, logger, step: int) -> dict:
+    """crm-train's benchmarks after fit (global rank 0, the process group left): each one's
+    metrics, scores.jsonl in out_dir/<name>, logged per subset as benchmark/<name>/<figure>."""
+    results = {}
+    for benchmark in benchmarks:
+        result = run_benchmark(scorer, benchmark, out_dir / benchmark.name)
+        log.info("%s", describe(result))
+        results[benchmark.name] = result
+        if logger:
+            logger.log_metrics({f"benchmark/{benchmark.name}/{key}": value
+                                for key, value in result["summary"].items() if value is not None},
+                               step=step)
+    if logger:
+        logger.save()
+    return results
 
 
 def describe(result: dict) -> str:

@@ -11,11 +11,14 @@ the slot shows as a flip rate near 1.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from pathlib import Path
 
 from crm.core.records import TestRecord, TrainRecord
 from crm.evaluation.accuracy import evaluate_records
 
+log = logging.getLogger(__name__)
 SAMPLE = 32  # validation records judged: 4 sequences each for a pairwise CRM, seconds on a CPU
 SHORTCUT = 0.9  # a share of pairs at or above which a shortcut is what the CRM learned
 CHANCE = 0.6  # an accuracy below which, on contradictory pairs, it is near chance (0.5)
@@ -40,6 +43,24 @@ def contradictory_pairs(records: Iterable[TrainRecord], most: int = SAMPLE) -> l
                 pairs.append(TestRecord(f"v{n}/{label}", r.query, r.model_a, r.model_b,
                                         sides[label], label, r.topic))
     return pairs
+
+
+def check_validation(scorer, shard_dir: Path) -> dict | None:
+    """crm-train's end check: the exported CRM on its own validation records, its warnings
+    logged (a criteria-blind or slot-following model, which its validation loss does not show);
+    None without a validation split."""
+    from crm.core.records import parse_train
+    from crm.data.manifest import load_manifest
+    from crm.data.reader import iter_shard
+
+    manifest = load_manifest(shard_dir)
+    if "val" not in manifest.splits:
+        return None
+    records = (parse_train(obj) for shard in manifest.shards("val") for _, obj in iter_shard(shard.url))
+    result = shortcut_check(scorer, records)
+    for warning in (result or {}).get("warnings", []):
+        log.warning("the trained CRM is %s", warning)
+    return result
 
 
 def shortcut_check(scorer, records: Iterable[TrainRecord], most: int = SAMPLE) -> dict | None:
