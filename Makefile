@@ -65,10 +65,10 @@ $(CHROMIUM):
 
 # The whole suite, the end-to-end tests marked slow included, on two pytest-xdist workers
 # (docs/TESTING.md: how, and the figures). On a fresh clone of the 2-core AMD EPYC, quiet,
-# 2026-11-26: 508 s of tests in one process before (929 tests); 414 s on two workers with this
-# round's 1,026 tests (436 s with inductor's on-disk cache empty), 482 s for bash .ci/run.
-# `$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow"` leaves the slow ones out while you
-# work (166 s).
+# 2026-11-26: 508 s of tests in one process before (929 tests); 414 s on two workers with 1,026;
+# 432-437 s with 1,055 (round 2), 502-510 s for bash .ci/run.
+# `$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"` leaves the
+# slow ones out while you work (156 s for 1,027 tests at load 2-4, round 2).
 test: install $(CHROMIUM)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
