@@ -2,18 +2,15 @@
 GPUs for a target time, checked by hand, and through the command."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 from transformers import Qwen3Config
 
+from test_plan import run_plan  # crm-plan in-process, as Hydra runs it
+
 from crm.cli.schema import settings
-from crm.cli.plan import main as plan_main
 from crm.core.errors import ConfigError
 from crm.perf.flops import ModelShape, flops_per_token
 from crm.perf.scoring import ScoreSettings, score_plan
@@ -38,28 +35,11 @@ def test_the_arithmetic_by_hand():
     assert p["gpus_for_target"] == math.ceil(gpu_seconds / 2.0)
 
 
-def run_plan(tmp_path: Path, *overrides: str) -> dict:
-    with initialize_config_module(version_base="1.3", config_module="crm_configs"):
-        cfg = compose("plan", overrides=[f"paths.root_dir={tmp_path}", *overrides],
-                      return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = cfg.hydra.run.dir
-    run_dir = Path(cfg.hydra.run.dir)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    try:
-        plan_main(cfg)
-    finally:
-        HydraConfig.instance().cfg = None
-    return json.loads((run_dir / "plan.json").read_text())
-
-
 def test_crm_plan_task_score_prices_the_usl_at_scale(tmp_path, capsys):
     """200 models x 500 queries = 100,000 battles of 3,200 tokens with a 4B CRM on H100s at MFU 0.3:
     2N FLOPs per token alone give 2.2 H100-hours; attention at 3,200 tokens adds a quarter (2.7),
     and about 165 H100s answer within a minute."""
-    plan = run_plan(tmp_path, "task=score", "model=qwen3-4b", "mfu=0.3", "score.rows=100000",
+    _, plan = run_plan(tmp_path, "task=score", "model=qwen3-4b", "mfu=0.3", "score.rows=100000",
                     "score.tokens_per_row=3200")
     assert plan["forwards"] == 100_000 and plan["computed_tokens"] == 320_000_000
     assert 2.6 < plan["gpu_hours"] < 2.9 and 155 < plan["gpus_for_target"] < 175

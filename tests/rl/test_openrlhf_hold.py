@@ -17,6 +17,7 @@ import pytest
 from helpers import raw_request
 from scorers import tiny_scorer
 from test_adapters import PROMPT, post
+from test_openrlhf_limits import SMALL
 
 from crm.core.json_shape import JsonShapeError, check_shape
 from crm.inference.reward import CRMReward
@@ -25,9 +26,6 @@ from crm.rl.openrlhf import Limits, make_server, split_sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-CRITERIA = ["concise answer", "is friendly"]
-LABEL = {"criteria": CRITERIA, "reference": "beta reply"}
-SMALL = {"query": [PROMPT + "alpha reply<|im_end|>"], "prompts": [PROMPT], "labels": [LABEL]}
 PER_ADDRESS = 6
 SLICE_CHARS = 400
 
