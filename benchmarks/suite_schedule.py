@@ -21,10 +21,10 @@ import json
 import random
 import statistics
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from suite_durations import durations
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +44,8 @@ def collected() -> list[tuple[str, bool]]:
 
 
 def recorded(junit_xml: str) -> dict[str, float]:
-    return {f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}": float(case.get("time"))
-            for case in ET.parse(junit_xml).iter("testcase")}
+    """Seconds per test id, as benchmarks/suite_durations.py reads them."""
+    return {t["test"]: t["seconds"] for t in durations(junit_xml, top=sys.maxsize)["slowest"]}
 
 
 def simulate(files: dict[str, list[tuple[float, bool]]], order: list[str]) -> float:
