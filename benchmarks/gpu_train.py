@@ -456,6 +456,14 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None or (not cuda and key in ("vocab_size", "max_tokens", "global_batch")):
             setattr(args, key, value)
+    for task in args.tasks.split(","):  # all checked before minutes of data preparation
+        kind, _, spec = task.partition("=")
+        parts = spec.split(":")
+        if kind == "train" and not (len(parts) == 4 and parts[1].isdigit() and parts[2] in ("on", "off")
+                                    and parts[3] in ("pairwise", "pointwise")):
+            p.error(f"--tasks: {task}: expected train=SIZE:MICRO:on|off:pairwise|pointwise")
+        if kind not in ("train", "trl", "flex", "scoring") or (kind != "train" and spec):
+            p.error(f"--tasks: {task}: expected train=..., trl, flex or scoring")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         runner = Runner(args, cuda, Path(tmp))

@@ -52,7 +52,10 @@ def main() -> None:
     p.add_argument("--write-durations", metavar="FILE",
                    help="also write the seconds per file and the median test's (tests/durations.json)")
     args = p.parse_args()
-    result = durations(args.junit_xml, args.top)
+    try:
+        result = durations(args.junit_xml, args.top)
+    except (OSError, ET.ParseError) as exc:
+        p.error(f"{args.junit_xml}: not a readable JUnit XML file ({exc})")
     print(json.dumps({"label": args.label, **result}, indent=1))
     if args.write_durations:
         with open(args.write_durations, "w") as f:

@@ -21,6 +21,7 @@ import json
 import random
 import statistics
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=60)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
-    seconds_of = recorded(args.junit_xml)
+    try:
+        seconds_of = recorded(args.junit_xml)
+    except (OSError, ET.ParseError) as exc:
+        p.error(f"{args.junit_xml}: not a readable JUnit XML file ({exc})")
     items = collected()
     known = [seconds_of[i] for i, _ in items if i in seconds_of]
     median = statistics.median(known) if known else 0.0
