@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from ranks import leave
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -72,9 +73,7 @@ def main(kinds: list[str], arch: dict, out: str) -> None:
     results["graphs"] = torch.tensor([stats["graphs"]])
     if rank == 0:
         save_file({k: v.contiguous() for k, v in results.items()}, out)
-    # No rank tears its end of the gloo pairs down while a peer still works (rank 0 saving)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

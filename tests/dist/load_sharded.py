@@ -9,13 +9,13 @@ BATCH (a safetensors file of input_ids and attention_mask), the whole head and R
 """
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ranks import leave
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -41,15 +41,7 @@ def main(batch_file: str, out_dir: str, checkpoints: list[str]) -> None:
             save_file({"logits": logits, "head": head,
                        "inv_freq": crm.model.model.rotary_emb.inv_freq.contiguous()},
                       str(Path(out_dir) / f"{Path(path).name}.safetensors"))
-    # No rank tears its end of the gloo pairs down while a peer still works (rank 0 saving)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Both ranks once aborted after this point, in 1 of 8 full-suite runs ("terminate called
-    # without an active exception", exit -6, nothing else printed): a gloo thread torn down in
-    # the interpreter's finalization. The work is done and written: leave without finalizing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":
