@@ -29,7 +29,7 @@ ARCH_OVERRIDES = [f"model.arch.{k}={v}" for k, v in COMPILE_ARCH.items()]
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")  # tests/conftest.py
 
 
-@pytest.mark.slow  # two processes, each building its model four times: 8 s with inductor's cache warm, 34 s cold
+@pytest.mark.slow  # two processes, each building its model four times: 8 s (inductor's cache warm), 34 s cold
 @pytest.mark.both_cores
 def test_fsdp2_world_2_compiled_layers_and_packed_rows_give_eager_padded_losses_and_gradients(tmp_path):
     """At world 2 under FSDP2 with activation checkpointing: compiled layers give the eager losses
