@@ -1,6 +1,6 @@
 """Distributed training end to end, on 2 CPU processes (gloo): FSDP2 sharding, loss curves that
-agree across FSDP, DDP and one process on the same global batches (from random init and from a
-pretrained checkpoint loaded into the shards), sharded checkpoints that resume and export, a
+agree across FSDP, DDP and one process on the same global batches (from a pretrained checkpoint
+loaded into the shards; the HSDP job from random init), sharded checkpoints that resume and export, a
 simulated 2-node SLURM job, preemption (SIGUSR1 -> save, requeue, stop) and recovery from kill -9.
 
 Every run is a `crm-train` subprocess (a DDP/FSDP run inside pytest would re-run the pytest
@@ -299,14 +299,16 @@ def root(tmp_path_factory) -> Path:
 
 class SharedRuns:
     """The 20-step runs several tests compare, each run on first use (the FSDP run's with the
-    one-process reference beside it)."""
+    one-process reference beside it), all from one pretrained checkpoint (PRETRAINED): each FSDP
+    rank reads its slices into its shards and draws the fresh head one process draws. (Random
+    init at several ranks is the HSDP job's, against its own one-process reference.)"""
 
     def __init__(self, root: Path):
         self.root = root
 
     @cached_property
     def fsdp(self) -> Path:
-        fsdp = begin(self.root, "fsdp", *FSDP, *CURVE, *probe("fsdp"), ranks=2)
+        fsdp = begin(self.root, "fsdp", *FSDP, *CURVE, *pretrained(self.root), *probe("fsdp"), ranks=2)
         if "reference" in self.__dict__:
             return finish(fsdp)[0]
         fsdp, self.reference = finish(fsdp, self._reference())
@@ -314,7 +316,7 @@ class SharedRuns:
 
     @cached_property
     def ddp(self) -> Path:
-        return train(self.root, "ddp", *DDP, *CURVE, ranks=2)
+        return train(self.root, "ddp", *DDP, *CURVE, *pretrained(self.root), ranks=2)
 
     @cached_property
     def reference(self) -> Path:
@@ -323,7 +325,15 @@ class SharedRuns:
     def _reference(self):
         """One process; step k trains on rank 0's + rank 1's batch k of the 2-rank runs."""
         return begin(self.root, "reference", "micro_batch_size=8", "global_batch_size=8", *CURVE,
-                     script=REFERENCE)
+                     *pretrained(self.root), script=REFERENCE)
+
+
+def pretrained(root: Path) -> list[str]:
+    """The overrides that start a run from the module's tiny pretrained base (written on first use)."""
+    base = root / "base_checkpoint"
+    if not base.is_dir():
+        save_tiny_base(base)
+    return [f"model.path={base}"]
 
 
 @pytest.fixture(scope="module")
@@ -355,9 +365,12 @@ def test_fsdp_shards_parameters_and_optimizer_states(runs):
 
 @slow
 @ranks
-def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
+def test_fsdp_ddp_and_one_process_from_a_pretrained_checkpoint_agree_on_the_same_global_batches(runs):
     (f_train, f_val), (d_train, d_val), (r_train, r_val) = (
         curves(r) for r in (runs.fsdp, runs.ddp, runs.reference))
+    for run in (runs.fsdp, runs.ddp, runs.reference):
+        config = checkpoint_meta(run / "checkpoints" / "last.ckpt")["crm_config"]
+        assert config["model"]["path"] == pretrained(runs.root)[0].removeprefix("model.path=")
     assert sorted(f_train) == list(range(1, STEPS + 1)) and sorted(f_val) == list(range(4, STEPS + 1, 4))
     assert max(f_train.values()) - min(f_train.values()) > 0.1  # the model trains (the curve moves)
     figures = {"fsdp-ddp train": max_diff(f_train, d_train), "fsdp-ddp val": max_diff(f_val, d_val),
@@ -366,7 +379,8 @@ def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     print(f"max |loss difference| over {STEPS} steps:", {k: f"{v:.2e}" for k, v in figures.items()})
     for name, diff in figures.items():
         assert diff <= LOSS_ATOL, (name, diff)
-    # The first steps agree far more closely: differences are rounding, amplified by training.
+    # The first steps agree far more closely (the same initial weights, the pretrained ones in the
+    # shards, the same fresh head): differences are rounding, amplified by training.
     assert max(abs(f_train[k] - r_train[k]) for k in range(1, 4)) <= 1e-6
     # The length policy dropped records, emptying some micro batches of one rank and not the
     # other's: the runs neither hung nor weighed examples by where they landed.
@@ -380,33 +394,6 @@ def test_fsdp_ddp_and_one_process_on_the_same_global_batches_agree(runs):
     for run in (runs.fsdp, runs.ddp):
         state = stream_state(checkpoint_meta(run / "checkpoints" / "last.ckpt"))
         assert batches_consumed(state, world=2) == STEPS
-
-
-# -- 2b. pretrained weights loaded into the shards ------------------------------------------------
-
-@pytest.fixture(scope="module")
-def base_checkpoint(root) -> Path:
-    return save_tiny_base(root / "base_checkpoint")
-
-
-@slow
-@ranks
-def test_fsdp_from_a_pretrained_checkpoint_trains_as_one_process(root, base_checkpoint):
-    # Each FSDP rank reads its slices into its shards and draws the fresh head one process draws.
-    steps = ["trainer.max_steps=6", "val_every_n_steps=3", "save_every_n_steps=1000",
-             f"model.path={base_checkpoint}"]
-    fsdp, reference = finish(
-        begin(root, "fsdp_pretrained", *FSDP, *steps, ranks=2),
-        begin(root, "reference_pretrained", "micro_batch_size=8", "global_batch_size=8", *steps,
-              script=REFERENCE))
-    (f_train, f_val), (r_train, r_val) = curves(fsdp), curves(reference)
-    assert sorted(f_train) == list(range(1, 7))
-    figures = {"train": max_diff(f_train, r_train), "val": max_diff(f_val, r_val)}
-    print("pretrained, FSDP vs one process: max |loss difference| over 6 steps:", figures)
-    assert max(figures.values()) <= LOSS_ATOL
-    assert abs(f_train[1] - r_train[1]) <= 1e-6  # the same initial weights
-    torch.testing.assert_close(export_logits(fsdp / "export"), export_logits(reference / "export"),
-                               atol=LOGIT_ATOL, rtol=0)
 
 
 # -- 3. consolidated export -----------------------------------------------------------------------
@@ -836,7 +823,8 @@ def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, ru
     run_dir = root / "outputs" / name
     ckpts = run_dir / "checkpoints"
     last, partial = ckpts / "last.ckpt", ckpts / "last.ckpt.partial"
-    procs = start(root, f"{name}-killed", crm_train_cmd(f"name={name}", *FSDP, *CURVE), ranks=2)
+    procs = start(root, f"{name}-killed", crm_train_cmd(f"name={name}", *FSDP, *CURVE, *pretrained(root)),
+                  ranks=2)
     with cleanup(*procs):
         wait_for(lambda: is_complete_checkpoint(last), procs, RUN_TIMEOUT, "first last.ckpt")
         # Then kill both ranks while the next checkpoint is being written (.partial exists).
@@ -856,7 +844,7 @@ def test_kill_9_mid_run_then_resume_auto_retraces_the_uninterrupted_run(root, ru
     killed_rows = len(logged(run_dir, "train/loss"))
     assert killed_rows > resume_step  # the killed run had trained past its checkpoint
 
-    rerun = train(root, name, *FSDP, *CURVE, ranks=2)
+    rerun = train(root, name, *FSDP, *CURVE, *pretrained(root), ranks=2)
     m = metrics(rerun)["train"]
     assert m["global_step"] == STEPS and m["resumed_from"] == expected
     assert checkpoint_meta(last)["global_step"] == STEPS  # rewritten by the rerun
