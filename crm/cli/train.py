@@ -144,6 +144,9 @@ def train(cfg: DictConfig) -> dict | None:
     log_per_rank()
     checks.check_trainer(run.trainer)
     benchmarks = read_benchmarks(run)
+    from crm.training.resolve import device_type, resolve, world_size
+
+    resolved = resolve(run)  # a setting that cannot work is refused before the heavy imports
 
     import lightning as L
     import torch
@@ -160,10 +163,8 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.datamodule import CRMDataModule
     from crm.training.loggers import make_logger, plot_curves
     from crm.training.module import CRMModule
-    from crm.training.resolve import device_type, resolve, world_size
     from crm.training.trainer import AgreedResume, leave_process_group, make_trainer, resolve_resume
 
-    resolved = resolve(run)
     shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
     checks.check_data_fits(run, shard_dir, run_dir, world_size(run.trainer))
     L.seed_everything(run.seed, workers=True)
