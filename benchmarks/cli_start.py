@@ -27,8 +27,8 @@ HEAVY = ("torch", "lightning", "transformers", "torchmetrics", "peft", "scipy", 
 MISSING = "/nonexistent/crm-cli-start"
 
 # script -> (its module, a composition error, a start check's refusal); None: not a Hydra command.
-# crm-train's refusals that need a library are timed apart (LIBRARY_CHECKS): its `trainer` keys are
-# checked against Lightning's Trainer, `stream.packing` by the resolution, after that check.
+# crm-train's refusals of a library's setting are timed apart (LIBRARY_CHECKS): its `trainer` keys
+# are checked against Lightning's Trainer (read from its source), `stream.packing` by its schema.
 COMMANDS = {
     "crm-train": ("crm.cli.train", ["trainer.max_stepz=3"], [f"model.path={MISSING}"]),
     "crm-eval": ("crm.cli.eval", ["batch_sise=3"],

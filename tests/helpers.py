@@ -247,3 +247,18 @@ def refused(capsys, monkeypatch, main, *argv: str) -> str:
     assert exit_info.value.code == 2, err
     assert len(lines) == 1 and lines[0].startswith(f"{argv[0]}: ") and "Traceback" not in err, err
     return lines[0]
+
+
+def glyphs_the_font_lacks(fig) -> list[tuple[str, str]]:
+    """(text, character) for each character a drawn text holds that the font Matplotlib picks for
+    that text has no glyph for: what it draws as an empty box."""
+    from matplotlib import font_manager
+    from matplotlib.text import Text
+
+    lacking = []
+    for text in fig.findobj(Text):
+        if text.get_visible() and text.get_text():
+            font = font_manager.get_font(font_manager.findfont(text.get_fontproperties()))
+            lacking += [(text.get_text(), c) for c in text.get_text()
+                        if c != "\n" and not font.get_char_index(ord(c))]
+    return lacking

@@ -4,7 +4,9 @@ an upgrade that renames or bypasses one fails here instead of silently doing not
 
 - Lightning: the epoch loop's `_broadcast_sigterm_tensor` (crm.training.preemption) and
   `_should_check_val_fx`, `_should_check_val_epoch`, `_should_accumulate`, the fit loop's
-  `_can_stop_early` (crm.training.trainer.validate_on_step_boundaries);
+  `_can_stop_early` (crm.training.trainer.validate_on_step_boundaries); `Trainer.__init__`'s
+  arguments, which crm.training.checks.trainer_arguments reads from Lightning's source without
+  importing it;
 - uvicorn: H11Protocol's hooks and attributes that crm.core.http's deadline uses;
 - Gradio: Blocks.queue's arguments and Blocks.validate_inputs, looked up on the instance
   (crm.app.page); the queue's and the state holder's per-session stores that crm.app.guards'
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import types
+import typing
 
 import pytest
 
@@ -43,6 +47,46 @@ def test_lightnings_loop_internals_that_crm_replaces_are_what_it_calls(tmp_path)
     assert "self._broadcast_sigterm_tensor()" in source
     assert "self._should_check_val_fx(" in source
     assert list(inspect.signature(loop._should_check_val_fx).parameters) == ["data_fetcher"]
+
+
+def annotation_shape(annotation):
+    """An annotation as nested tuples, a class as its module and name: the real one and the source
+    reader's stand-in compare equal when they name the same class."""
+    origin = typing.get_origin(annotation)
+    if origin is types.UnionType:
+        origin = typing.Union
+    if origin is typing.Literal:
+        return ("Literal", typing.get_args(annotation))
+    if origin is not None:
+        return (annotation_shape(origin), tuple(annotation_shape(a) for a in typing.get_args(annotation)))
+    if inspect.isclass(annotation):
+        return (annotation.__module__, annotation.__qualname__)
+    return annotation
+
+
+# Every kind of value a YAML setting can hold, and the strings and numbers Lightning's Literals take.
+YAML_VALUES = [None, True, False, 0, 1, 32, 16, -1, 0.25, 2.0, "x", "warn", "16-mixed", "bf16",
+               "64", "00:01:00", "auto", "cpu", [], [0, 1], ["a"], [0.5], {}, {"hours": 1}]
+
+
+def test_the_trainer_arguments_read_from_lightnings_source_are_its_type_hints():
+    """crm-train checks `trainer.` keys against Trainer.__init__ read with `ast` (a refused setting
+    answers without importing Lightning): on the pinned version the names, the annotations and what
+    each accepts are the real object's, so a change of shape in an upgrade fails here."""
+    import lightning as L
+
+    from crm.training.checks import fits, trainer_arguments, type_name
+
+    real = typing.get_type_hints(L.Trainer.__init__)
+    real.pop("return", None)
+    read = trainer_arguments()
+    assert list(read) == list(real)
+    assert {name: annotation_shape(a) for name, a in read.items()} == {
+        name: annotation_shape(a) for name, a in real.items()}
+    for name, annotation in real.items():
+        assert type_name(read[name]) == type_name(annotation), name
+        for value in YAML_VALUES:
+            assert fits(value, read[name]) == fits(value, annotation), (name, value)
 
 
 def test_uvicorns_h11_protocol_has_the_hooks_the_head_deadline_uses():

@@ -109,8 +109,8 @@ def _nearest(full_key: str, parent) -> str:
     keys = [str(k) for k in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
     match = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     if not match and prefix == "trainer":
-        # Lightning's arguments only when the group's own keys hold no near name: importing it
-        # takes seconds, and most slips are of a key the group sets (max_stepz).
+        # Lightning's arguments only when the group's own keys hold no near name: most slips are
+        # of a key the group sets (max_stepz), and that key is the one to name.
         from crm.training.checks import trainer_arguments
 
         match = difflib.get_close_matches(name, [*keys, *trainer_arguments()], n=1, cutoff=0.6)

@@ -141,8 +141,8 @@ def train(cfg: DictConfig) -> dict | None:
     run: TrainConfig = settings(cfg)
     check_config(cfg)
     check_sweep()
-    log_per_rank()
     checks.check_trainer(run.trainer)
+    log_per_rank()  # after the checks that need no Lightning: reading the rank imports it (4 s)
     benchmarks = read_benchmarks(run)
     from crm.training.resolve import device_type, resolve, world_size
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from crm.core.glyphs import drawable
+
 
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
@@ -113,7 +115,8 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str | Path) -> Path:
     """leaderboard.png: per board, overall win rates as sorted bars with their intervals and a
     model x topic heatmap; with a contrast set, a slope chart of the two rankings with their
-    Kendall tau."""
+    Kendall tau. Names, criteria and topics are drawn as `drawable` makes them (no empty box for
+    a character the font lacks); leaderboard.md and leaderboard.json keep them exactly."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,15 +154,15 @@ def plot(result: dict, path: str | Path) -> Path:
                     fontsize=8.5, fontweight="bold")
         ax.axvline(50, color="#444", ls="--", lw=0.8, zorder=0)
         ax.set_xlim(0, 100)
-        ax.set_yticks(list(y), [f"{name}  [{rank_set(r)}]" for name, r in zip(names, rows)],
+        ax.set_yticks(list(y), [f"{drawable(name)}  [{rank_set(r)}]" for name, r in zip(names, rows)],
                       fontsize=9)
         ax.set_ylim(len(rows) - 0.5, -0.5)  # best on top, rows level with the heatmap's
-        ax.set_xlabel(f"Overall win rate vs {result['baseline']} (%)", fontsize=8.5)
+        ax.set_xlabel(f"Overall win rate vs {drawable(result['baseline'])} (%)", fontsize=8.5)
         ax.spines[["top", "right"]].set_visible(False)
         criteria = " / ".join(f"\u201c{c}\u201d" for c in board["criteria"])
         # Above the heatmap's own label, not beside it: wrapped to the bars and the heatmap's
         # width (about 11 bold characters an inch), at most two lines.
-        title = textwrap.wrap(f"{board['label']}: {criteria}", int(11 * sum(widths[:2])))
+        title = textwrap.wrap(drawable(f"{board['label']}: {criteria}"), int(11 * sum(widths[:2])))
         if len(title) > 2:
             title = [title[0], _shorten(" ".join(title[1:]), len(title[0]))]
         ax.set_title("\n".join(title), loc="left", fontsize=10, fontweight="bold", pad=20)
@@ -171,7 +174,8 @@ def plot(result: dict, path: str | Path) -> Path:
             for j, v in enumerate(line):
                 heat.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8,
                           color="white" if v < 18 or v > 85 else "black")
-        heat.set_xticks(range(len(topics)), topics, rotation=30, ha="right", fontsize=8.5)
+        heat.set_xticks(range(len(topics)), [drawable(t) for t in topics], rotation=30, ha="right",
+                        fontsize=8.5)
         heat.set_yticks([])
         heat.set_title("win rate per topic (%)", fontsize=8.5, loc="right", color="#555")
         for s in heat.spines.values():
@@ -185,11 +189,15 @@ def plot(result: dict, path: str | Path) -> Path:
         for i, model in enumerate(rank_a):
             color = colors(i % 10)
             ax.plot([0, 1], [rank_a[model], rank_b[model]], "-o", color=color, lw=1.8, ms=5)
-            ax.text(-0.06, rank_a[model], model, ha="right", va="center", fontsize=8, color=color)
-            ax.text(1.06, rank_b[model], model, ha="left", va="center", fontsize=8, color=color)
+            ax.text(-0.06, rank_a[model], drawable(model), ha="right", va="center", fontsize=8,
+                    color=color)
+            ax.text(1.06, rank_b[model], drawable(model), ha="left", va="center", fontsize=8,
+                    color=color)
         ax.set_xlim(-0.9, 1.9)
         ax.set_ylim(n_models + 0.6, 0.4)
-        ax.set_xticks([0, 1], [boards[0]["label"], boards[1]["label"]], fontsize=9)
+        # Wrapped: the two labels stand an inch apart (a long label, or an emoji's name, ran into
+        # the other).
+        ax.set_xticks([0, 1], [textwrap.fill(drawable(b["label"]), 14) for b in boards], fontsize=9)
         ax.set_yticks([])
         ax.spines[["top", "right", "left"]].set_visible(False)
         tau = result["kendall_tau"]["tau"]
@@ -201,9 +209,9 @@ def plot(result: dict, path: str | Path) -> Path:
     # overprinted the first, more so when criteria wrap); the tight bounding box keeps it.
     renderer = fig.canvas.get_renderer()
     top = max(a.get_tightbbox(renderer).y1 for a in fig.axes) + 8  # pixels
-    fig.suptitle(f"User-centric leaderboard: win rate against {result['baseline']} "
-                 f"({counts['used']} examples, {len(topics)} topics) [rank set]\n"
-                 + "\n".join(_plot_note(b) for b in boards), x=0.01, ha="left", va="bottom",
+    fig.suptitle(drawable(f"User-centric leaderboard: win rate against {result['baseline']} "
+                          f"({counts['used']} examples, {len(topics)} topics) [rank set]\n"
+                          + "\n".join(_plot_note(b) for b in boards)), x=0.01, ha="left", va="bottom",
                  y=fig.transFigure.inverted().transform((0, top))[1], fontsize=12,
                  fontweight="bold")
     path = Path(path)

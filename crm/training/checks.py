@@ -3,9 +3,15 @@ the tokenizer is trained, inside a traceback) is a ConfigError before anything r
 that run but do not fit the data or the run are one warning line each (docs/DESIGN.md section 6)."""
 from __future__ import annotations
 
+import ast
+import builtins
 import difflib
+import functools
+import importlib
+import importlib.util
 import inspect
 import logging
+import sys
 import typing
 from pathlib import Path
 
@@ -23,8 +29,6 @@ def check_trainer(trainer: dict) -> None:
     """The trainer group against Lightning's Trainer: a name it does not take, one crm-train sets
     itself, a value of the wrong type (`trainer.max_steps=ten`), a GPU accelerator where there is
     none."""
-    import torch
-
     hints = trainer_arguments()
     for key, value in trainer.items():
         if key in SET_BY_CRM:
@@ -36,18 +40,121 @@ def check_trainer(trainer: dict) -> None:
         if not fits(value, hints[key]):
             raise ConfigError(f"trainer.{key}={value!r}: expected {type_name(hints[key])}")
     accelerator = str(trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+    if accelerator in ("gpu", "cuda") and not _cuda_available():
         raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA device on this machine "
                           "(torch.cuda.is_available() is False); use trainer=cpu")
 
 
-def trainer_arguments() -> dict:
-    """Lightning Trainer's arguments and their annotations: the names a `trainer.` key may take."""
-    import lightning as L
+def _cuda_available() -> bool:
+    import torch  # only when a GPU is asked for: the other settings are refused without torch
 
-    hints = typing.get_type_hints(L.Trainer.__init__)
-    hints.pop("return", None)
-    return hints
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def trainer_arguments() -> dict:
+    """Lightning Trainer's arguments and their annotations: the names a `trainer.` key may take.
+
+    Read from Lightning's installed source, not imported: importing Lightning costs 4 s (with
+    torch), and a refused setting answers within a second or two (docs/DESIGN.md section 6). The
+    annotations are the typing objects `typing.get_type_hints(Trainer.__init__)` gives, Lightning's
+    own classes as stand-ins of the same name (no YAML value is an instance of either);
+    tests/test_pinned_internals.py compares the two on the pinned version, and a source this reader
+    cannot follow raises instead of accepting everything."""
+    source = _ModuleSource("lightning")
+    init = source.method("lightning.pytorch.trainer.trainer", "Trainer", "__init__")
+    args = init.args
+    named = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    return {arg.arg: source.annotation(arg.annotation, "lightning.pytorch.trainer.trainer")
+            for arg in named[1:] if arg is not None and arg.annotation is not None}
+
+
+class _ModuleSource:
+    """A package's modules parsed, not imported. A name is followed as Python would bind it at the
+    top of its module: through `from X import Y` (relative too) to a class (a stand-in class of that
+    name and module) or a module-level assignment (a type alias, evaluated where it stands); a name
+    from the standard library is its real object; anything else (another package, a conditional
+    definition, an expression other than a name, subscript, `|` or constant) raises LookupError."""
+
+    def __init__(self, package: str):
+        spec = importlib.util.find_spec(package)  # a top-level name: found without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise LookupError(f"{package} is not an installed package")
+        self.package, self.root = package, Path(spec.submodule_search_locations[0])
+        self.trees: dict[str, tuple[ast.Module, bool]] = {}
+        self.stand_ins: dict[tuple[str, str], type] = {}
+
+    def tree(self, module: str) -> tuple[ast.Module, bool]:
+        """The module's syntax tree and whether it is a package (its __init__.py)."""
+        if module not in self.trees:
+            folder = self.root.joinpath(*module.split(".")[1:])
+            is_package = (folder / "__init__.py").is_file()
+            path = folder / "__init__.py" if is_package else folder.with_suffix(".py")
+            if not path.is_file():
+                raise LookupError(f"{module}: no source at {path}")
+            self.trees[module] = ast.parse(path.read_text(encoding="utf-8")), is_package
+        return self.trees[module]
+
+    def method(self, module: str, cls: str, name: str) -> ast.FunctionDef:
+        for node in self.tree(module)[0].body:
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == name:
+                        return item
+        raise LookupError(f"{module}: no {cls}.{name} at the top of its source")
+
+    def annotation(self, node: ast.expr, module: str):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a forward reference
+            node = ast.parse(node.value, mode="eval").body
+        return self.evaluate(node, module)
+
+    def evaluate(self, node: ast.expr, module: str):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return self.lookup(module, node.id)
+        if isinstance(node, ast.Subscript):
+            index = node.slice
+            args = (tuple(self.evaluate(e, module) for e in index.elts)
+                    if isinstance(index, ast.Tuple) else self.evaluate(index, module))
+            return self.evaluate(node.value, module)[args]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            return typing.Union[self.evaluate(node.left, module), self.evaluate(node.right, module)]
+        raise LookupError(f"{module}: cannot read `{ast.unparse(node)}` without importing it")
+
+    def lookup(self, module: str, name: str):
+        """What `name` is bound to at the top of `module`: its last top-level binding, else a
+        builtin."""
+        tree, is_package = self.tree(module)
+        for node in reversed(tree.body):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                key = (module, name)
+                if key not in self.stand_ins:
+                    self.stand_ins[key] = type(name, (), {"__module__": module, "__qualname__": name})
+                return self.stand_ins[key]
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                    return self.evaluate(node.value, module)
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if (alias.asname or alias.name) == name:
+                        package = module if is_package else module.rpartition(".")[0]
+                        origin = importlib.util.resolve_name("." * node.level + (node.module or ""),
+                                                             package)
+                        return self.imported(origin, alias.name)
+        if hasattr(builtins, name):
+            return getattr(builtins, name)
+        raise LookupError(f"{module}: {name} is not bound at the top of its source")
+
+    def imported(self, module: str, name: str):
+        top = module.partition(".")[0]
+        if top == self.package:
+            return self.lookup(module, name)
+        if top in sys.stdlib_module_names:  # typing, datetime, pathlib: cheap, and the real objects
+            return getattr(importlib.import_module(module), name)
+        raise LookupError(f"{name} comes from {module}, outside {self.package} and the standard "
+                          "library")
 
 
 def fits(value, annotation) -> bool:

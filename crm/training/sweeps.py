@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from crm.core.glyphs import drawable
+
 
 @dataclass(frozen=True)
 class Run:
@@ -121,7 +123,8 @@ def csv_text(header: list[str], rows: list[list]) -> str:
 def plot(header: list[str], rows: list[list], path: Path, n_axes: int,
          jobs: list[str] | None = None) -> None:
     """Grouped bars: one group per setting, one bar per test set's accuracy. A setting with no
-    varied axis (one run left of a sweep whose others failed) is named by its job (`jobs`)."""
+    varied axis (one run left of a sweep whose others failed) is named by its job (`jobs`). The
+    settings and test sets are drawn as `drawable` makes them (report.md keeps them exactly)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,14 +132,15 @@ def plot(header: list[str], rows: list[list], path: Path, n_axes: int,
 
     sets = [h for h in header if h.startswith("acc/")]
     jobs = jobs or [str(i) for i in range(len(rows))]
-    labels = [", ".join(str(v) for v in row[:n_axes]) or f"job {job}" for row, job in zip(rows, jobs)]
+    labels = [drawable(", ".join(str(v) for v in row[:n_axes]) or f"job {job}")
+              for row, job in zip(rows, jobs)]
     width = 0.8 / max(1, len(sets))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * max(1, len(sets)) * 0.5), 4.2))
     for j, name in enumerate(sets):
         col = header.index(name)
         values = [row[col] if isinstance(row[col], (int, float)) else 0.0 for row in rows]
         xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(rows))]
-        bars = ax.bar(xs, values, width, label=name[4:])
+        bars = ax.bar(xs, values, width, label=drawable(name[4:]))
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     if not sets:  # empty axes would look like a plotting failure
         ax.text(0.5, 0.5, "no test-set accuracy: these runs evaluated no data.test_files",

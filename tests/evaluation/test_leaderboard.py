@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import glyphs_the_font_lacks
 from scorers import export_tiny, run_cli, tiny_scorer
 
 from crm.cli.leaderboard import run
@@ -274,6 +275,36 @@ def test_a_long_criteria_title_stays_clear_of_the_heatmaps_label(tmp_path, monke
     assert "baseline in slot A only" in fig._suptitle.get_text()
     lower_title = bars[1]._left_title.get_window_extent(renderer)
     assert not lower_title.overlaps(bars[0].xaxis.label.get_window_extent(renderer))
+
+
+def test_emoji_and_scripts_the_font_lacks_are_drawn_as_stand_ins_and_kept_in_md_and_json(
+        tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from crm.core.files import write_json
+
+    models = {"base": "x", "m🚀": "win", "模型": "lose"}
+    lines = [bench_line(i, ("t🌮", "t2")[i % 2], models) for i in range(4)]
+    selection = select(write_bench(tmp_path / "bench.jsonl", lines), "base")
+    criteria = ["be kind 🙏", "costs $5 not $50"]  # two `$`: mathtext, unless escaped
+    result = leaderboard(StubScorer(), selection, criteria, contrast=["slow 🐢"],
+                         labels=("kind 🙏", "slow 🐢"))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its texts
+    plot(result, tmp_path / "leaderboard.png")
+    (fig,) = figures
+    drawn = [t.get_text() for t in fig.findobj(plt.Text)]
+    assert glyphs_the_font_lacks(fig) == []
+    assert "m:rocket:  [1]" in drawn and "??  [2]" in drawn  # the bars' model names
+    assert "t:taco:" in drawn  # a topic of the heatmap
+    assert any(r"“costs \$5 not \$50”" in t for t in drawn)  # a board's title: drawn as written
+    assert {"kind :person\nwith folded\nhands:", "slow :turtle:", "m:rocket:"} <= set(drawn)  # slopes
+    # the text files keep the user's text exactly
+    text = markdown(result)
+    assert '"be kind 🙏" / "costs $5 not $50"' in text and "| m🚀 |" in text and "t🌮" in text
+    saved = json.loads(write_json(tmp_path / "leaderboard.json", result).read_text(encoding="utf-8"))
+    assert saved["models"] == ["m🚀", "模型"] and saved["boards"][0]["criteria"] == criteria
+    assert saved["boards"][1]["label"] == "slow 🐢" and saved["topics"] == ["t🌮", "t2"]
 
 
 def test_prefix_reuse_gives_the_same_leaderboard(tmp_path):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import glyphs_the_font_lacks
 from test_train import compose_train, run_train
 
 from crm.cli.report import main as report_main
@@ -181,3 +182,21 @@ def test_a_sweep_whose_other_job_failed_names_the_run_by_its_job_and_says_why_no
     assert [t.get_text() for t in ax.get_xticklabels()] == ["job 0"]  # it read "run 0"
     assert [t.get_text() for t in ax.texts] == [
         "no test-set accuracy: these runs evaluated no data.test_files"]
+
+
+def test_settings_and_test_sets_the_font_cannot_draw_are_stand_ins_in_the_picture(
+        tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "multirun" / "emoji"
+    for num, name in enumerate(("🚀", "模型")):
+        fake_run(root, num, [f"name={name}"], {"/d/test/taco🌮.jsonl": metrics(0.5, 0.0)}, 20, 9.0)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its texts
+    assert report_main([str(root)]) == 0
+    (fig,) = figures
+    assert glyphs_the_font_lacks(fig) == []
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == [":rocket:", "??"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["taco:taco:"]
+    assert "🚀" in (root / "report.md").read_text(encoding="utf-8")  # the text file keeps it
