@@ -146,7 +146,7 @@ def train(cfg: DictConfig) -> dict | None:
     benchmarks = read_benchmarks(run)
     from crm.training.resolve import device_type, resolve, world_size
 
-    resolved = resolve(run)  # a setting that cannot work is refused before the heavy imports
+    resolved = resolve(run)  # before Lightning and the training stack are imported
 
     import lightning as L
     import torch
