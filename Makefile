@@ -66,8 +66,8 @@ $(CHROMIUM):
 # The whole suite, the end-to-end tests marked slow included, on two pytest-xdist workers
 # (docs/TESTING.md: how, and the figures). On a fresh clone of the 2-core AMD EPYC, quiet,
 # 2026-11-26: 508 s of tests in one process before (929 tests); 414 s on two workers with 1,026;
-# 432-437 s with 1,055 (round 2), 502-510 s for bash .ci/run; round 3: 346-361 s with 1,057 when
-# the machine's inductor cache holds the compiled tests' kernels, 395-405 s when they are built.
+# 432-437 s with 1,055 (round 2), 502-510 s for bash .ci/run; round 3, 1,057 tests: 361 s when
+# the machine's inductor cache holds the compiled tests' kernels, 387-405 s when they are built.
 # `$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"` leaves the
 # slow ones out while you work (152 s for 1,037 tests, round 3).
 test: install $(CHROMIUM)
