@@ -142,7 +142,9 @@ def train(cfg: DictConfig) -> dict | None:
     check_config(cfg)
     check_sweep()
     checks.check_trainer(run.trainer)
-    log_per_rank()  # after the checks that need no Lightning: reading the rank imports it (4 s)
+    # Reading the rank imports Lightning (4 s): after the config and trainer checks, which need it
+    # not, and before resolve, whose warnings go to each rank's own log.
+    log_per_rank()
     benchmarks = read_benchmarks(run)
     from crm.training.resolve import device_type, resolve, world_size
 
