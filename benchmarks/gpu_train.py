@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import shutil
@@ -375,6 +376,12 @@ class Runner:
             return score(self.export, self.data_dir)
         except Exception as err:  # the other tasks' figures still count; this one says why
             return {"error": f"{type(err).__name__}: {err}"[-3000:]}
+        finally:
+            # The scorer is gone, but torch's allocator keeps its blocks: 36.5 GiB of them made the
+            # 4B and 1.7B runs after `scoring` fail out of memory (H100, 2026-11-26).
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
 
 
 def score(export: Path, data_dir: Path) -> dict:
