@@ -28,7 +28,8 @@ MISSING = "/nonexistent/crm-cli-start"
 
 # script -> (its module, a composition error, a start check's refusal); None: not a Hydra command.
 # crm-train's refusals of a library's setting are timed apart (LIBRARY_CHECKS): its `trainer` keys
-# are checked against Lightning's Trainer (read from its source), `stream.packing` by its schema.
+# are checked against Lightning's Trainer (read from its source), `stream.packing` by its schema, a
+# batch plan that does not divide by the resolver (crm.training.resolve.batch_plan).
 COMMANDS = {
     "crm-train": ("crm.cli.train", ["trainer.max_stepz=3"], [f"model.path={MISSING}"]),
     "crm-eval": ("crm.cli.eval", ["batch_sise=3"],
@@ -42,7 +43,8 @@ COMMANDS = {
     "crm-report": ("crm.cli.report", None, None),
 }
 LIBRARY_CHECKS = {"crm-train": {"trainer_value": ["trainer.max_steps=ten"],
-                                "packing_value": ["stream.packing=1"]}}
+                                "packing_value": ["stream.packing=1"],
+                                "batch_plan": ["micro_batch_size=3", "global_batch_size=16"]}}
 
 
 def timed(argv: list[str], cwd: Path, repeat: int) -> dict:

@@ -6,7 +6,8 @@ an upgrade that renames or bypasses one fails here instead of silently doing not
   `_should_check_val_fx`, `_should_check_val_epoch`, `_should_accumulate`, the fit loop's
   `_can_stop_early` (crm.training.trainer.validate_on_step_boundaries); `Trainer.__init__`'s
   arguments, which crm.training.checks.trainer_arguments reads from Lightning's source without
-  importing it;
+  importing it; the environment variables Lightning reads a launcher's rank from, in its order
+  (crm.cli.train.launcher_rank);
 - uvicorn: H11Protocol's hooks and attributes that crm.core.http's deadline uses;
 - Gradio: Blocks.queue's arguments and Blocks.validate_inputs, looked up on the instance
   (crm.app.page); the queue's and the state holder's per-session stores that crm.app.guards'
@@ -90,6 +91,19 @@ def test_the_trainer_arguments_read_from_lightnings_source_are_its_type_hints():
         assert sorted(wording[0].split(" or ")) == sorted(wording[1].split(" or ")), name
         for value in YAML_VALUES:
             assert fits(value, read[name]) == fits(value, annotation), (name, value)
+
+
+def test_the_launcher_rank_is_read_as_lightning_reads_it(monkeypatch):
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
+    from crm.cli.train import RANK_VARIABLES, launcher_rank
+
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert launcher_rank() == (_get_rank() or 0) == 0
+    for value, name in enumerate(reversed(RANK_VARIABLES), start=1):  # the first in the order wins
+        monkeypatch.setenv(name, str(value))
+        assert launcher_rank() == _get_rank() == value
 
 
 def test_uvicorns_h11_protocol_has_the_hooks_the_head_deadline_uses():

@@ -142,9 +142,7 @@ def train(cfg: DictConfig) -> dict | None:
     check_config(cfg)
     check_sweep()
     checks.check_trainer(run.trainer)
-    # Reading the rank imports Lightning (4 s): after the config and trainer checks, which need it
-    # not, and before resolve, whose warnings go to each rank's own log.
-    log_per_rank()
+    log_per_rank()  # before resolve, whose warnings go to each rank's own log
     benchmarks = read_benchmarks(run)
     from crm.training.resolve import device_type, resolve, world_size
 
@@ -272,10 +270,22 @@ def read_benchmarks(run: TrainConfig) -> list[Benchmark]:
     process group exists yet to share rank 0's verdict), and only global rank 0 keeps them."""
     if not run.benchmarks:
         return []
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
     benchmarks = [load_benchmark(benchmark_config(name, path)) for name, path in run.benchmarks.items()]
-    return benchmarks if not rank_zero_only.rank else []
+    return benchmarks if not launcher_rank() else []
+
+
+# Lightning's own order (lightning.fabric.utilities.rank_zero._get_rank; tests/test_pinned_internals.py
+# checks that it still is): SLURM_PROCID is set even where SLURM does not start the ranks.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def launcher_rank() -> int:
+    """The global rank the launcher gave this process, as Lightning reads it, without importing
+    Lightning (3 s, more than a refused setting may take): 0 where no launcher set one."""
+    for name in RANK_VARIABLES:
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
 
 
 def log_per_rank() -> None:
@@ -283,11 +293,9 @@ def log_per_rank() -> None:
 
     Every rank of every node runs this command with the same run dir, and Hydra opens the same
     file in each: appended to by all, its lines interleave. The rank is what the launcher set
-    (Lightning's reading of RANK, LOCAL_RANK or SLURM_PROCID), before any process group exists.
+    (`launcher_rank`), before any process group exists.
     """
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-    rank = rank_zero_only.rank
+    rank = launcher_rank()
     if not rank:
         return
     root = logging.getLogger()
