@@ -62,7 +62,7 @@ from crm.app.service import BoardError, Leaderboards
 from crm.core.files import write_kept
 from crm.core.http import BodyLimit, server_config
 from crm.evaluation.leaderboard import DEFAULT_CRITERIA
-from crm.evaluation.render import interval, rank_set
+from crm.evaluation.render import interval, rank_set, tau_sentence
 
 log = logging.getLogger("crm.app")
 
@@ -381,14 +381,11 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                 return {versus_group: gr.update(visible=False), versus_info: "", left: None,
                         right: None}
             first, second = versus["boards"]
-            tau = versus["kendall_tau"]
             sides = [pd.DataFrame([{"Rank": r["rank"], "Model": r["model"],
                                     "Overall (%)": _pct(r["overall"]["win_rate"])}
                                    for r in b["rows"]]) for b in (first, second)]
             return {versus_group: gr.update(visible=True),
-                    versus_info: (f"Kendall tau between the two rankings: **{tau['tau']:+.3f}** "
-                                  f"(p = {tau['p_value']:.2g}, {tau['models']} models; -1: one "
-                                  "reverses the other)"),
+                    versus_info: tau_sentence(versus["kendall_tau"]),
                     left: sides[0], right: sides[1]}
 
         def drill(model_name, board_state) -> dict:

@@ -282,7 +282,8 @@ def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequen
     """Rows {rank, rank_ub, rank_set, model, overall, topics: {topic: cell}}, best first.
 
     Overall is micro-averaged: all of a model's wins over all its examples (a topic with more
-    examples weighs more). Ranked by overall win rate, then mean P(win), then name. Each cell has
+    examples weighs more). Ranked by overall win rate, equal rates sharing a rank (listed by mean
+    P(win), then name). Each cell has
     its interval (ci_low, ci_high) by `interval.method` and the votes it used; with votes
     ((idx, model) -> verdict, the user's), a cell's win_rate is PPI's estimate and crm_win_rate
     the CRM's. rank_ub is the rank upper bound, rank_set [best, worst] the ranks the model can
@@ -313,8 +314,11 @@ def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequen
         row["rank_set"] = list(best_worst)
     rows.sort(key=lambda r: (-(r["overall"]["win_rate"] or 0), -(r["overall"]["mean_p_win"] or 0),
                              r["model"]))
-    return [{"rank": rank, "rank_ub": ub, **row}
-            for rank, (row, ub) in enumerate(zip(rows, rank_upper_bounds(rows)), start=1)]
+    rates = [r["overall"]["win_rate"] or 0 for r in rows]
+    # Competition ranking ("1, 2, 2, 4"): a rank is the board's claim of an order, and two equal
+    # win rates are not one; mean P(win) and the name only order the listing.
+    return [{"rank": 1 + sum(other > rate for other in rates), "rank_ub": ub, **row}
+            for rate, row, ub in zip(rates, rows, rank_upper_bounds(rows))]
 
 
 def _simultaneous_level(level: float, models: int) -> float:

@@ -1,6 +1,7 @@
 """leaderboard.md and leaderboard.png from a leaderboard.json document (crm.evaluation.leaderboard)."""
 from __future__ import annotations
 
+import collections
 import textwrap
 from pathlib import Path
 
@@ -17,6 +18,30 @@ def interval(cell: dict) -> str:
         return ""
     rate = cell["win_rate"]
     return f"(-{100 * (rate - cell['ci_low']):.1f} / +{100 * (cell['ci_high'] - rate):.1f})"
+
+
+def tau_sentence(k: dict) -> str:
+    """leaderboard.kendall_tau's result in words; null (one model, or a ranking all ties) says why."""
+    if k["tau"] is None:
+        return f"Kendall tau between the two rankings: none ({k['reason']})"
+    return (f"Kendall tau between the two rankings: **{k['tau']:+.3f}** (p = {k['p_value']:.2g}, "
+            f"{k['models']} models; -1: one reverses the other)")
+
+
+def slope_positions(rows: list[dict]) -> tuple[dict[str, float], dict[str, str]]:
+    """Per model, its height on the slope chart's rank axis and its label. Models sharing a rank
+    stand around it, a row apart at most, in the board's listing order, and their labels say
+    "=N": drawn at distinct ranks they would claim an order the board does not."""
+    sharing = collections.Counter(r["rank"] for r in rows)
+    seen: collections.Counter = collections.Counter()
+    heights, labels = {}, {}
+    for row in rows:
+        rank, k = row["rank"], sharing[row["rank"]]
+        step = min(0.3, 0.8 / (k - 1)) if k > 1 else 0.0
+        heights[row["model"]] = rank + (seen[rank] - (k - 1) / 2) * step
+        labels[row["model"]] = f"{row['model']} (={rank})" if k > 1 else row["model"]
+        seen[rank] += 1
+    return heights, labels
 
 
 def rank_set(row: dict) -> str:
@@ -99,10 +124,7 @@ def markdown(result: dict) -> str:
             cells += [rate_with_interval(row["topics"][t]) for t in topics]
             lines.append("| " + " | ".join(cells) + " |")
     if "kendall_tau" in result:
-        k = result["kendall_tau"]
-        lines += ["", f"Kendall tau between the two rankings: **{k['tau']:+.3f}** "
-                      f"(p = {k['p_value']:.2g}, {k['models']} models)" if k["tau"] is not None
-                  else f"Kendall tau between the two rankings: none ({k['reason']})"]
+        lines += ["", tau_sentence(result["kendall_tau"])]
     if result["rejects"]:
         lines += ["", f"Rejected benchmark lines ({len(result['rejects'])}):"]
         lines += [f"- {r['file']}:{r['line']}: {r['field']}: {r['reason']}"
@@ -183,15 +205,14 @@ def plot(result: dict, path: str | Path) -> Path:
 
     if slope:
         ax = fig.add_subplot(grid[:, 2])
-        rank_a = {r["model"]: r["rank"] for r in boards[0]["rows"]}
-        rank_b = {r["model"]: r["rank"] for r in boards[1]["rows"]}
+        (y_a, label_a), (y_b, label_b) = (slope_positions(b["rows"]) for b in boards)
         colors = plt.get_cmap("tab10")
-        for i, model in enumerate(rank_a):
+        for i, model in enumerate(y_a):
             color = colors(i % 10)
-            ax.plot([0, 1], [rank_a[model], rank_b[model]], "-o", color=color, lw=1.8, ms=5)
-            ax.text(-0.06, rank_a[model], drawable(model), ha="right", va="center", fontsize=8,
+            ax.plot([0, 1], [y_a[model], y_b[model]], "-o", color=color, lw=1.8, ms=5)
+            ax.text(-0.06, y_a[model], drawable(label_a[model]), ha="right", va="center", fontsize=8,
                     color=color)
-            ax.text(1.06, rank_b[model], drawable(model), ha="left", va="center", fontsize=8,
+            ax.text(1.06, y_b[model], drawable(label_b[model]), ha="left", va="center", fontsize=8,
                     color=color)
         ax.set_xlim(-0.9, 1.9)
         ax.set_ylim(n_models + 0.6, 0.4)

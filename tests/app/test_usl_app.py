@@ -231,7 +231,10 @@ def test_the_page_default_then_customized_board(app, page, tmp_path):
     columns = ["Rank", "Rank (UB)", "Model", "Overall (%)", "95% CI", *topics_shown]
     assert column_names(page, "#board") == columns
     rows = body_rows(page, "#board")
-    assert [r[0] for r in rows] == [str(i) for i in range(1, 9)]
+    # best first; equal win rates share a rank ("1, 2, 2, 4")
+    rates = [float(r[3]) for r in rows]
+    assert rates == sorted(rates, reverse=True)
+    assert [int(r[0]) for r in rows] == [1 + sum(other > rate for other in rates) for rate in rates]
     assert {r[2] for r in rows} == set(MODELS)
     screenshot(page, "usl_custom.png", tmp_path)
 

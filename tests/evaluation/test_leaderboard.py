@@ -19,7 +19,7 @@ from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE
                                        Outcome,
                              bootstrap_intervals, judge, kendall_tau, leaderboard,
                              rank_upper_bounds, select, win_rates)
-from crm.evaluation.render import interval, markdown, plot
+from crm.evaluation.render import interval, markdown, plot, slope_positions
 from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_B
 
@@ -77,8 +77,8 @@ def test_win_rates_are_micro_averaged_with_ties_apart():
                                          "mean_p_win": 0.6, "votes": 0}
     # one example: no interval
     assert by["m1"]["topics"]["small"]["ci_low"] is None
-    # equal win rates: the higher mean P(win) ranks first; the intervals cannot tell them apart
-    assert [(r["rank"], r["rank_ub"], r["model"]) for r in rows] == [(1, 1, "m1"), (2, 1, "m2")]
+    # equal win rates share a rank, listed by mean P(win); the intervals cannot tell them apart
+    assert [(r["rank"], r["rank_ub"], r["model"]) for r in rows] == [(1, 1, "m1"), (1, 1, "m2")]
     assert [r["rank_set"] for r in rows] == [[1, 2], [1, 2]]
 
 
@@ -145,6 +145,18 @@ def test_kendall_tau_of_identical_and_reversed_rankings():
     assert kendall_tau(rows, reversed_rows)["tau"] == -1.0
     one_swap = [{"model": m, "rank": r} for m, r in zip("abcd", (2, 1, 3, 4))]
     assert kendall_tau(rows, one_swap)["tau"] == round(4 / 6, 4)  # (5 - 1) / 6 pairs
+    # tau-b with a shared rank: a-b tied in one ranking; 5 pairs concordant, none discordant,
+    # sqrt(5 x 6) in the denominator
+    tied = [{"model": m, "rank": r} for m, r in zip("abcd", (1, 1, 3, 4))]
+    assert kendall_tau(rows, tied)["tau"] == round(5 / (5 * 6) ** 0.5, 4)
+
+
+def test_models_sharing_a_rank_stand_around_it_on_the_slope_chart_and_say_so():
+    rows = [{"model": m, "rank": r} for m, r in zip("abcde", (1, 2, 2, 2, 5))]
+    heights, labels = slope_positions(rows)
+    assert heights["a"] == 1 and heights["e"] == 5
+    assert heights["b"] < heights["c"] == 2 < heights["d"] and heights["d"] - heights["b"] <= 0.8
+    assert labels == {"a": "a", "b": "b (=2)", "c": "c (=2)", "d": "d (=2)", "e": "e"}
 
 
 def test_an_undefined_kendall_tau_is_null_with_its_reason_and_json_holds_no_nan(tmp_path):
@@ -424,7 +436,12 @@ def test_crm_leaderboard_writes_json_md_png(tmp_path):
     assert saved["boards"][0]["criteria"] == ["concise answer, please", "is friendly"]
     assert saved["topics"] == ["t2"] and saved["examples"]["used"] == 3
     assert saved["examples"]["outside_topics"] == 3
-    assert -1.0 <= saved["kendall_tau"]["tau"] <= 1.0
+    # The random tiny CRM: under "detailed" every model wins all 3 examples, so the boards
+    # share ranks (m2 and m3 at 2 under "concise", all three at 1 under "detailed") and a
+    # ranking all ties has no order for Kendall tau (null, with its reason; the picture draws it)
+    assert [[r["rank"] for r in b["rows"]] for b in saved["boards"]] == [[1, 2, 2], [1, 1, 1]]
+    assert saved["kendall_tau"] == {"tau": None, "p_value": None, "models": 3,
+                                    "reason": "every model tied in one ranking: no order to compare"}
     assert saved["sequences"]["prefix_sequences"] == saved["sequences"]["sequences"] == 2 * 9
     assert (run_dir / "leaderboard.md").read_text() == markdown(saved)
     assert (run_dir / "leaderboard.png").stat().st_size > 10_000

@@ -47,14 +47,14 @@ def test_a_library_stream_is_padded_as_crm_train_auto_is_on_cpu():
 
 
 def test_only_global_rank_zero_keeps_the_benchmarks(tmp_path, monkeypatch):
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
     bench = tmp_path / "pairs.jsonl"
     bench.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n")
     run = settings(compose_train([f"paths.root_dir={tmp_path}", f"+benchmarks.pairs={bench}"]))
-    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    for name in train_cli.RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")  # as the launcher sets it
     assert [b.name for b in train_cli.read_benchmarks(run)] == ["pairs"]
-    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    monkeypatch.setenv("RANK", "1")
     assert train_cli.read_benchmarks(run) == []  # checked there too, and then dropped
     bench.write_text(json.dumps({"prompt": "q", "chosen": "a"}) + "\n")
     with pytest.raises(ConfigError, match="rejected: missing"):  # every rank stops on a bad file
