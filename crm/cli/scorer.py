@@ -42,16 +42,16 @@ class ScorerSettings:
 def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
     """The CRMScorer of `cfg.checkpoint` (an export dir or a crm-train checkpoint), or with
     engine=ray a RayScorer whose workers each load it (`run_dir`: where its finished blocks go)."""
+    from crm.models.checkpoint import not_loadable
+
+    problem = not_loadable(cfg.checkpoint)  # before transformers' import: the refusal in a second
+    if problem:
+        raise ConfigError(f"checkpoint={cfg.checkpoint}: {problem}")
     import torch
 
     from crm.inference.scorer import CRMScorer
     from crm.models.backbone import DTYPES
 
-    from crm.models.checkpoint import not_loadable
-
-    problem = not_loadable(cfg.checkpoint)
-    if problem:
-        raise ConfigError(f"checkpoint={cfg.checkpoint}: {problem}")
     # Bars redraw with carriage returns: in a terminal they vanish, in a log file or a pipe they
     # stay, glued to the results table the command prints next. Shown on a terminal only.
     progress = cfg.progress and sys.stderr.isatty()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import warnings
+import zipfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -41,6 +42,13 @@ def not_loadable(path: str | Path) -> str | None:
     from crm.models.export import META
 
     path = Path(path)
+    if path.is_file():
+        if (path.parent / META).is_file():
+            return f"a file of an export directory: give the directory, checkpoint={path.parent}"
+        # torch.save writes a zip archive; anything else would fail in the unpickler, a traceback
+        return None if zipfile.is_zipfile(path) else (
+            "a file that is not a checkpoint crm-train wrote (a .ckpt, torch's zip archive): give "
+            "the export dir crm-train writes, outputs/<name>/export, or one of its checkpoints")
     if (path / META).is_file() or is_complete_checkpoint(path):
         return None
     if not path.exists():

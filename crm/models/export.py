@@ -11,7 +11,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
@@ -59,6 +58,9 @@ def read_meta(export_dir: str | Path) -> dict:
 
 def load_export(export_dir: str | Path, dtype: torch.dtype = torch.float32, attention: str = "sdpa"):
     """(model, tokenizer, template, meta) from an export directory, offline."""
+    # here, not at the top: a command that only checks its checkpoint= path needs META alone
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     meta = read_meta(export_dir)
     lora = meta.get("lora")
     if lora and lora["form"] == "adapter":  # peft's adapters and head, on the base they name

@@ -156,6 +156,16 @@ def test_crm_eval_says_which_path_to_give_and_what_a_test_file_holds(root, capsy
         assert line == (f"crm-eval: checkpoint={given}: {what}, not a checkpoint: give "
                         f"checkpoint={run_dir / 'export'} (the export of the best checkpoint) or "
                         f"checkpoint={run_dir / 'checkpoints' / 'last.ckpt'}")
+    (run_dir / "export" / "model.safetensors").write_bytes(b"weights")
+    for given, what in ((test, "a file that is not a checkpoint crm-train wrote (a .ckpt, torch's zip "
+                               "archive): give the export dir crm-train writes, outputs/<name>/export, "
+                               "or one of its checkpoints"),
+                        (run_dir / "export" / "model.safetensors",
+                         "a file of an export directory: give the directory, "
+                         f"checkpoint={run_dir / 'export'}")):
+        line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval", f"checkpoint={given}",
+                       f"data.test=[{test}]", f"name=f{len(what)}")  # unpickled, it was a traceback
+        assert line == f"crm-eval: checkpoint={given}: {what}"
     training = write_jsonl(root / "train.jsonl", [train_dict("k0")])
     line = refused(capsys, monkeypatch, crm.cli.eval.main, "crm-eval",
                    f"checkpoint={run_dir / 'export'}", f"data.test=[{training}]")
