@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -89,7 +89,14 @@ def describe(exc: HydraException) -> str:
         key = cause.full_key
         if "not in" in reason or "not in struct" in reason:
             return f"{key}: no such key{_nearest(key, cause.parent_node)}"
+        if "is not a ListConfig" in reason:  # key=a.jsonl for key=[a.jsonl]
+            return f"{key}: a list: write {key}=[...], e.g. {key}=[a.jsonl,b.jsonl]"
         return f"{key}: {reason}"
+    if isinstance(exc, OverrideParseException):
+        # Hydra's grammar takes letters, digits and a few symbols unquoted: an emoji, a space or
+        # a quote mark in a value needs the value quoted, and its message does not say so.
+        return (f"{exc.override}: not an override Hydra can read; quote a value holding spaces, "
+                "emoji or punctuation: 'key=\"value\"' (README, \"Commands\")")
     if isinstance(exc, MissingConfigException):
         options = getattr(exc, "options", None)
         found = f" (options: {', '.join(options)})" if options else ""

@@ -63,6 +63,10 @@ def test_data_path_without_data_shards_is_refused_and_the_users_shards_stay_as_t
     (["optim.lrr=1"], "optim.lrr: no such key (did you mean optim.lr?)"),
     (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
     (["model=tinyy"], "Could not find 'model/tinyy' (options: "),
+    (["data.test_files=a.jsonl"], "data.test_files: a list: write data.test_files=[...], e.g. "
+                                  "data.test_files=[a.jsonl,b.jsonl]"),
+    (["name=my run 🚀"], "name=my run 🚀: not an override Hydra can read; quote a value holding "
+                        "spaces, emoji or punctuation: 'key=\"value\"'"),
     pytest.param(["trainer=gpu"], "trainer.accelerator=gpu: no CUDA device on this machine",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
     pytest.param(["model.attention=flash_attention_2"],
