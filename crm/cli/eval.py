@@ -22,11 +22,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from crm.cli.errors import one_line_config_errors
-from crm.cli.schema import PathsConfig, register_schema, settings
+from crm.cli.schema import PathsConfig, check_test_files, register_schema, settings
 from crm.cli.scorer import ScorerSettings, checkpoint_argument, close_scorer, load_scorer
 from crm.core.errors import ConfigError
 from crm.core.files import refuse_replacing, write_json
-from crm.core.records import load_records
 from crm.evaluation.benchmarks import (BenchmarkConfig, criteria_override, describe,
                                        load_benchmark, run_benchmark)
 
@@ -67,11 +66,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if cfg.criteria is not None and cfg.benchmark is None:
         raise ConfigError(f"criteria={cfg.criteria}: a benchmark's criteria (benchmark=NAME); "
                           "test records carry their own")
-    for path in paths:
-        if not Path(path).is_file():
-            raise ConfigError(f"data.test: {path}: no such file")
-    for path in paths:  # every bad record of every file, before the model loads (BadRecords)
-        load_records(path, "test")
+    check_test_files(paths, "data.test")
     # Read and checked whole before the model loads: a file not in its layout stops here.
     benchmark = cfg.benchmark and load_benchmark(cfg.benchmark, criteria_override(cfg.criteria))
     check_not_another_run(run_dir / "metrics.json", cfg)

@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from crm.core.errors import ConfigError
+from crm.core.records import load_records
 
 
 def register_schema(command: str, schema: type) -> None:
@@ -83,3 +84,15 @@ def benchmark_config(name: str, path: str):
     node = OmegaConf.merge(OmegaConf.structured(BenchmarkConfig), OmegaConf.load(yaml_file),
                            {"path": str(path)})
     return settings(node)
+
+
+def check_test_files(paths, key: str) -> None:
+    """Test-format files, read whole before any model loads or trains (crm-eval's `data.test`,
+    crm-train's `data.test_files`): a missing file names `key`, and every bad record of every
+    file is one BadRecords line (file:line: field: reason) with the format it wants."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise ConfigError(f"{key}: {path}: no such file (test-format JSONL files, the README "
+                              "format: docs/DESIGN.md section 3.1)")
+    for path in paths:
+        load_records(path, "test")

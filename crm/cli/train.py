@@ -20,12 +20,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from crm.cli.errors import one_line_config_errors
-from crm.cli.schema import PathsConfig, benchmark_config, register_schema, settings
+from crm.cli.schema import (PathsConfig, benchmark_config, check_test_files, register_schema,
+                            settings)
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
 from crm.data.config import StreamConfig, StreamSettings
-from crm.data.demo import DemoConfig, demo_shard_dir
+from crm.data.demo import DemoConfig, demo_shard_dir, prepare_demo
 from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
 from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark
 from crm.models.config import LoraConfig, LossConfig, ModelConfig
@@ -147,11 +148,15 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.resolve import device_type, resolve, world_size
 
     resolved = resolve(run)  # before Lightning and the training stack are imported
+    # The data and the files scored after training, checked before Lightning loads (3 s).
+    shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
+    world = world_size(run.trainer)
+    checks.check_data_fits(run, shard_dir, run_dir, world)
+    check_test_files(run.data.test_files, "data.test_files")
 
     import lightning as L
     import torch
 
-    from crm.data.demo import prepare_demo
     from crm.data.manifest import load_manifest
     from crm.data.reader import training_texts
     from crm.evaluation.accuracy import evaluate_files
@@ -165,8 +170,9 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.module import CRMModule
     from crm.training.trainer import AgreedResume, leave_process_group, make_trainer, resolve_resume
 
-    shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
-    checks.check_data_fits(run, shard_dir, run_dir, world_size(run.trainer))
+    # One process decides its resume here, before the tokenizer is trained into the run dir; ranks
+    # agree on theirs inside fit (AgreedResume). Either refuses another data set's checkpoint.
+    resume = resolve_resume(run.resume, run_dir, run.data.path) if world == 1 else None
     L.seed_everything(run.seed, workers=True)
     if run.torch_threads:
         torch.set_num_threads(run.torch_threads)
@@ -197,10 +203,8 @@ def train(cfg: DictConfig) -> dict | None:
                            callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir,
                            parallel=parallel)
     if trainer.world_size > 1:  # rank 0 decides, inside fit, once the ranks are connected
-        resume = AgreedResume(run.resume, run_dir)
+        resume = AgreedResume(run.resume, run_dir, run.data.path)
         resume.trainer = trainer
-    else:
-        resume = resolve_resume(run.resume, run_dir)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     resumed_from = resume.decide() if isinstance(resume, AgreedResume) else resume
     # Every rank leaves before rank 0's long work (export, evaluation): none waits in a collective.

@@ -84,6 +84,19 @@ def load_checkpoint(path: str | Path) -> dict:
     return checkpoint
 
 
+def checkpoint_config(path: str | Path) -> dict | None:
+    """The run config a checkpoint was trained with (`crm_config`), without reading its weights:
+    a file's tensors are memory-mapped, not loaded; a sharded dir's meta.pt holds none. None
+    for a checkpoint that records no config."""
+    path = Path(path)
+    if path.is_dir():
+        meta = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    else:
+        meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    config = meta.get("crm_config") if isinstance(meta, dict) else None
+    return config if isinstance(config, dict) else None
+
+
 def sharded_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole `state_dict` of a sharded checkpoint dir, in one process: a tensor of each
     weight's full shape (the metadata's), which torch's distributed checkpoint loader fills from

@@ -211,10 +211,11 @@ def check_attention(attention: str, compiled: bool) -> None:
 
 
 def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
-    """Before the tokenizer is trained on them: shards with no training record are refused; a
-    global batch larger than the data, a validation split too small to mean anything, a curriculum
-    warm-up as long as the run, validation or save intervals past the run's last step and a run dir
-    that will be resumed are one warning line each."""
+    """Before the tokenizer is trained on them: shards with no training record, or with fewer
+    validation records than ranks in a run that validates, are refused; a global batch larger
+    than the data, a validation split too small to mean anything, a curriculum warm-up as long as
+    the run, validation or save intervals past the run's last step and a run dir that will be
+    resumed are one warning line each."""
     from crm.data.manifest import load_manifest
 
     manifest = load_manifest(shard_dir)
@@ -227,11 +228,20 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
     if n_train < world:
         raise ConfigError(f"{where}: {n_train} training records (manifest.json), fewer than the "
                           f"{world} rank(s); did every line go to {shard_dir}/rejects.jsonl?")
+    validates = run.trainer.get("limit_val_batches", 1.0) != 0
+    if validates and n_val < world:
+        # Lightning builds the validation loader at fit's start, even when no step validates; an
+        # empty split is refused there only after the tokenizer is trained, inside a traceback.
+        raise ConfigError(f"{where}: {n_val} validation records (manifest.json), fewer than the "
+                          f"{world} rank(s): re-shard with --val-fraction 0.2 (`crm-data shard "
+                          "FILE.jsonl DIR --val-fraction 0.2`), or train without validation: "
+                          "+trainer.limit_val_batches=0 (no val/loss, no best checkpoint, no early "
+                          "stopping: the export is the final weights)")
     if run.global_batch_size > n_train:
         log.warning("global_batch_size=%d is larger than the %d training records: each optimizer "
                     "step repeats records; for a small set use a global batch of about a tenth of "
                     "it", run.global_batch_size, n_train)
-    if n_val < min(4, n_train):  # 5% of a few dozen records: one or two
+    if validates and n_val < min(4, n_train):  # 5% of a few dozen records: one or two
         log.warning("the validation split holds %d record(s): val/loss, the best checkpoint and "
                     "early stopping rest on them; re-shard with a larger --val-fraction "
                     "(e.g. 0.2) for a small set", n_val)
@@ -242,7 +252,7 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
                     "whole run trains on direction %s, never %s; set direction.warmup_steps to a "
                     "fraction of the run", direction.name, direction.warmup_steps, steps,
                     direction.warmup, direction.then)
-    if steps and steps > 0 and run.val_every_n_steps > steps:
+    if validates and steps and steps > 0 and run.val_every_n_steps > steps:
         log.warning("val_every_n_steps=%d is past trainer.max_steps=%d: the run never validates "
                     "(no val/loss; the export is the final weights, not the best); set it below, e.g. "
                     "val_every_n_steps=%d", run.val_every_n_steps, steps, max(1, steps // 5))

@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
 from crm.core.errors import ConfigError
-from crm.models.checkpoint import is_complete_checkpoint
+from crm.models.checkpoint import checkpoint_config, is_complete_checkpoint
 from crm.training.parallel import ParallelConfig, fsdp_strategy
 from crm.training.resolve import world_size
 
@@ -109,8 +109,8 @@ class AgreedResume(os.PathLike):
     passes it resolve_resume's answer directly.
     """
 
-    def __init__(self, resume, run_dir: Path):
-        self.resume, self.run_dir = resume, Path(run_dir)
+    def __init__(self, resume, run_dir: Path, data_path: str | None = None):
+        self.resume, self.run_dir, self.data_path = resume, Path(run_dir), data_path
         self.trainer: L.Trainer | None = None
         self.path: str | None = None
         self.decided = False
@@ -121,7 +121,7 @@ class AgreedResume(os.PathLike):
             choice = error = None
             if strategy.global_rank == 0:
                 try:
-                    choice = resolve_resume(self.resume, self.run_dir)
+                    choice = resolve_resume(self.resume, self.run_dir, self.data_path)
                 except ConfigError as exc:  # every rank stops with it, none waits for rank 0
                     error = str(exc)
             self.path, error = strategy.broadcast((choice, error))
@@ -145,11 +145,12 @@ class AgreedResume(os.PathLike):
         return str, (self.decide(),)
 
 
-def resolve_resume(resume, run_dir: Path) -> str | None:
+def resolve_resume(resume, run_dir: Path, data_path: str | None = None) -> str | None:
     """auto: this run dir's last checkpoint if a complete one exists; a path: that; false: none.
 
     A sharded checkpoint is swapped into place only when complete (crm.training.parallel.FSDPStrategy); a
     job killed between the swap's two renames leaves the complete `.partial` or `.old` copy.
+    With `data_path`, auto refuses a checkpoint trained on another data set (`check_same_data`).
     """
     if resume in (None, False, "false", "False"):
         return None
@@ -157,6 +158,8 @@ def resolve_resume(resume, run_dir: Path) -> str | None:
         last = Path(run_dir) / "checkpoints" / "last.ckpt"
         for candidate in (last, last.with_name("last.ckpt.partial"), last.with_name("last.ckpt.old")):
             if is_complete_checkpoint(candidate):
+                if data_path is not None:
+                    check_same_data(candidate, data_path)
                 log.info("resuming from %s", candidate)
                 return str(candidate)
             if candidate.exists():
@@ -166,3 +169,26 @@ def resolve_resume(resume, run_dir: Path) -> str | None:
         raise ConfigError(f"resume={resume}: no such checkpoint, or an incomplete one")
     return str(resume)
 
+
+
+def check_same_data(checkpoint: Path, data_path: str) -> None:
+    """A run dir's checkpoint that another data set trained (a `name=` used again with another
+    data.path) is refused: resumed, its stream position and epoch count belong to the other
+    data, and Lightning's loop stops mid-run on the mismatch, or trains on without a word."""
+    try:
+        config = checkpoint_config(checkpoint)
+    except Exception as exc:  # torch.load's errors on a damaged file have no common type
+        raise ConfigError(f"{checkpoint}: cannot be read to resume ({type(exc).__name__}): give "
+                          "this run another name=, or resume=false to start over in "
+                          f"{checkpoint.parent.parent}") from None
+    trained_on = ((config or {}).get("data") or {}).get("path")
+    if trained_on is None or same_path(trained_on, data_path):
+        return
+    raise ConfigError(f"{checkpoint}: trained on data.path={trained_on}, and this run's is "
+                      f"data.path={data_path}: resume=auto would continue it on other data; give "
+                      "this run another name= (a run dir of its own), or resume=false to start "
+                      f"over in {checkpoint.parent.parent}")
+
+
+def same_path(a: str, b: str) -> bool:
+    return a == b or Path(a).resolve() == Path(b).resolve()

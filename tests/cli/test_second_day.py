@@ -235,3 +235,45 @@ def test_files_of_different_topic_tables_are_not_sharded_together(tmp_path, caps
                            "topic 0 is ")
     assert line.endswith("give them one table: `cat FILES > all.jsonl && crm-data topics all.jsonl "
                          "all.jsonl`, then shard all.jsonl")
+
+
+def test_crm_train_refuses_at_start_what_would_stop_it_after_training(root, capsys, monkeypatch):
+    """Each refused before a tokenizer is trained into the run dir, let alone a step: test files
+    that crm-eval would refuse (a training-format file, a missing one), shards without a
+    validation record, and a run dir whose checkpoint another data set trained (resume=auto)."""
+    import torch
+
+    from crm.training.trainer import resolve_resume
+
+    mine = write_jsonl(root / "mine.jsonl", [train_dict(f"k{i}") for i in range(8)])
+    for out, fraction in (("shards", "0.5"), ("no_val", "0")):
+        assert crm_data(["shard", str(mine), str(root / out), "--val-fraction", fraction]) == 0
+    capsys.readouterr()
+    shards = ["data=shards", f"data.path={root / 'shards'}"]
+
+    def crm_train(*overrides: str) -> str:
+        return refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", *overrides)
+
+    assert crm_train(*shards, f"data.test_files=[{mine}]") == (
+        f"crm-train: {mine}:1: a train-format record where test-format records are wanted (the "
+        "README format: idx, prompt, model_a, model_b, criteria, preference; docs/DESIGN.md "
+        "section 3.1): this file is not one")
+    assert crm_train(*shards, f"data.test_files=[{root / 'nope.jsonl'}]") == (
+        f"crm-train: data.test_files: {root / 'nope.jsonl'}: no such file (test-format JSONL "
+        "files, the README format: docs/DESIGN.md section 3.1)")
+    line = crm_train("data=shards", f"data.path={root / 'no_val'}")
+    assert line.startswith(f"crm-train: data.path={root / 'no_val'}: 0 validation records "
+                           "(manifest.json), fewer than the 1 rank(s): re-shard with --val-fraction")
+    assert line.endswith("or train without validation: +trainer.limit_val_batches=0 (no val/loss, "
+                         "no best checkpoint, no early stopping: the export is the final weights)")
+
+    run_dir = root / "outputs" / "mine"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"crm_config": {"data": {"path": str(root / "other")}}}, last)
+    assert crm_train(*shards, "name=mine") == (
+        f"crm-train: {last}: trained on data.path={root / 'other'}, and this run's is "
+        f"data.path={root / 'shards'}: resume=auto would continue it on other data; give this run "
+        f"another name= (a run dir of its own), or resume=false to start over in {run_dir}")
+    assert resolve_resume("auto", run_dir, str(root / "other")) == str(last)  # its own data resumes
+    assert not list((root / "outputs").rglob("tokenizer"))  # no run got as far as its tokenizer
