@@ -18,7 +18,7 @@ from pathlib import Path
 from crm.core.records import BenchRecord, TestRecord, as_training, read_lines
 from crm.data.epoch_plan import even_split
 from crm.core.errors import ConfigError
-from crm.core.files import refuse_replacing
+from crm.core.files import refuse_file_as_dir, refuse_replacing
 from crm.data.manifest import MANIFEST, write_manifest
 from crm.data.transforms import CriteriaPool
 
@@ -81,6 +81,7 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
     if shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: expected at least 1")
     out = Path(out_dir)
+    refuse_file_as_dir(out, "OUT_DIR is the folder the shards, manifest.json and rejects.jsonl go in")
     if not overwrite:
         check_out_dir(out, inputs)
     out.mkdir(parents=True, exist_ok=True)
