@@ -81,11 +81,7 @@ def _check_text(path: str) -> None:
     by a glob, votes that have no criteria yet) is one error saying what to do, not a reject per
     line: its start shows it. A directory is refused with its data files named. gzip is read."""
     if Path(path).is_dir():
-        data = sorted(p.name for p in Path(path).iterdir()
-                      if p.name.endswith((".jsonl", ".jsonl.gz")) and p.name != REJECTS_NAME)
-        what = (f"give its data files ({', '.join(data[:5])}{', ...' if len(data) > 5 else ''}: "
-                f"{Path(path) / '*.jsonl'})" if data else "it holds no .jsonl file")
-        raise ValueError(f"{path}: a directory, not a JSONL file: {what}")
+        raise ValueError(f"{path}: a directory, not a JSONL file: {_data_files_in(path)}")
     with open_data(path) as handle:
         head = handle.read(1 << 16)
     if head.startswith(b"PAR1"):
@@ -95,7 +91,7 @@ def _check_text(path: str) -> None:
         text = head.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         if exc.start < len(head) - 3:  # not a character cut at the end of the sample
-            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}): crm-data shard reads "
+            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}): crm-data reads "
                              "JSONL files") from None
         text = head[:exc.start].decode("utf-8-sig")
     lines = text.splitlines()
@@ -124,6 +120,14 @@ def _check_text(path: str) -> None:
             raise ValueError(f"{path}:{number}: votes ({votes} format), not training records: "
                              f"`crm-data criteria {path} OUT_DIR --base-url URL --model NAME` "
                              "writes the criteria under which each side wins (docs/DATA_PIPELINE.md)")
+
+
+def _data_files_in(directory: str) -> str:
+    """What to give instead of a directory: its data files, or that it holds none."""
+    data = sorted(p.name for p in Path(directory).iterdir()
+                  if p.name.endswith((".jsonl", ".jsonl.gz")) and p.name != REJECTS_NAME)
+    return (f"give its data files ({', '.join(data[:5])}{', ...' if len(data) > 5 else ''}: "
+            f"{Path(directory) / '*.jsonl'})" if data else "it holds no .jsonl file")
 
 
 def _check_topic_tables(files: list[str]) -> None:
@@ -162,7 +166,14 @@ def _print_rejects(path: Path, most: int = 20) -> None:
 
 
 def _stats(args) -> int:
+    from crm.data.manifest import MANIFEST
     from data_tools.stats import stats
+
+    if not Path(args.path).is_dir():
+        _check_text(args.path)
+    elif not (Path(args.path) / MANIFEST).is_file():
+        raise ValueError(f"{args.path}: a directory without {MANIFEST}, not a shard dir (crm-data "
+                         f"shard's OUT_DIR): {_data_files_in(args.path)}")
 
     print(json.dumps(stats(args.path), indent=1))
     return 0
@@ -219,7 +230,9 @@ def _criteria_hint(reason: dict) -> str:
 def _topics(args) -> int:
     from data_tools.topics import topics
 
-    summary = topics(args.input, args.output, k=args.k, seed=args.seed, embedder=args.embedder)
+    _check_text(args.input)
+    summary = topics(args.input, args.output, k=args.k, seed=args.seed, embedder=args.embedder,
+                     overwrite=args.overwrite)
     print(f"{args.input}: {summary['read']} read = {summary['written']} written to {args.output} + "
           f"{summary['rejected']} rejected" + (f" (see {summary['rejects']})" if summary["rejected"] else ""))
     print(f"{summary['criteria']} criteria ({summary['distinct_criteria']} distinct) in "
@@ -230,7 +243,8 @@ def _topics(args) -> int:
 def _flip(args) -> int:
     from data_tools.flip import flip
 
-    c = flip(args.input, args.output)
+    _check_text(args.input)
+    c = flip(args.input, args.output, overwrite=args.overwrite)
     print(f"{args.input}: {c['read']} read = {c['written']} written to {args.output} (criteria swapped) + "
           f"{c['rejected']} rejected" + (f" (see {c['rejects']})" if c["rejected"] else ""))
     return 1 if c["rejected"] else 0
@@ -311,7 +325,10 @@ def parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("topics", help="cluster the criteria into topics; fill the topic ids")
     o.add_argument("input", metavar="IN.jsonl", help="training records (topic ids missing or replaced)")
-    o.add_argument("output", metavar="OUT.jsonl", help="may be IN.jsonl; the table goes beside it")
+    o.add_argument("output", metavar="OUT.jsonl",
+                   help="a new file, an earlier output of topics, or IN.jsonl; the table goes beside it")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace an OUT.jsonl that is not an output of topics (refused without it)")
     o.add_argument("--k", type=int, default=20, help="topics")
     o.add_argument("--seed", type=int, default=0, help="seeds KMeans")
     o.add_argument("--embedder", default=None,
@@ -321,7 +338,10 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("flip", help="swap each record's two sides' criteria, keep the vote "
                                     "(a flipped-label control)")
     f.add_argument("input", metavar="IN.jsonl", help="training records (both sides' criteria)")
-    f.add_argument("output", metavar="OUT.jsonl", help="a new file; rejects go to OUT.jsonl.rejects.jsonl")
+    f.add_argument("output", metavar="OUT.jsonl",
+                   help="a new file or an earlier output of flip; rejects go to OUT.jsonl.rejects.jsonl")
+    f.add_argument("--overwrite", action="store_true",
+                   help="replace an OUT.jsonl that is not an output of flip (refused without it)")
     f.set_defaults(run=_flip)
     return p
 

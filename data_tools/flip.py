@@ -7,19 +7,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from crm.core.files import refuse_foreign
 from crm.core.records import read_lines
 
 SWAPPED = (("a_criteria", "b_criteria"), ("a_broad_criteria_topic", "b_broad_criteria_topic"))
 
 
-def flip(src: str | Path, out: str | Path) -> dict:
+def flip(src: str | Path, out: str | Path, *, overwrite: bool = False) -> dict:
     """Writes `out` (JSONL) and, beside it, `<out>.rejects.jsonl` (file, line, field, reason of every
     line not flipped); both appear only when the whole input was read. Returns the counts:
-    read = written + rejected. A README-format file (one side's criteria) is refused whole."""
+    read = written + rejected. A README-format file (one side's criteria) is refused whole. An
+    existing `out` is replaced only when it is an earlier flip's (its rejects beside it) or with
+    `overwrite`: `flip A B` meant as two inputs must not erase B."""
     out = Path(out)
     if out.resolve() == Path(src).resolve():
         raise ValueError(f"{out}: the output would overwrite the input it reads")
     rejects_path = out.with_name(out.name + ".rejects.jsonl")
+    if not overwrite:
+        refuse_foreign(out, rejects_path, "crm-data flip", "give a new OUT.jsonl, or --overwrite to "
+                       "replace it")
     partial = [p.with_name(p.name + ".partial") for p in (out, rejects_path)]
     written = rejected = 0
     try:

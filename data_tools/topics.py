@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from crm.core.files import write_json
+from crm.core.files import refuse_foreign, write_json
 from crm.core.records import parse_train, read_lines
 
 EXAMPLES = 5
@@ -88,12 +88,19 @@ def sentence_embedder(model_dir: str | Path):
 
 
 def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int = 0,
-           embedder: str | Path | None = None) -> dict:
+           embedder: str | Path | None = None, overwrite: bool = False) -> dict:
     """Cluster the criteria of `in_path` and write `out_path` (may be the same file) with topic
-    ids, its rejects (`<OUT stem>.rejects.jsonl`) and topic table. Returns a summary."""
+    ids, its rejects (`<OUT stem>.rejects.jsonl`) and topic table. Returns a summary. An existing
+    `out_path` other than `in_path` is replaced only when it is an earlier output of topics (its
+    table beside it) or with `overwrite`: `topics A B` meant as two inputs must not erase B."""
     if k < 1:
         raise ValueError(f"k={k}: expected at least 1 topic")
     in_path, out_path = Path(in_path), Path(out_path)
+    table_path = out_path.with_name(out_path.stem + ".topics.json")
+    if not overwrite and out_path.resolve() != in_path.resolve():
+        refuse_foreign(out_path, table_path, "crm-data topics",
+                       "give a new OUT.jsonl (or IN.jsonl itself, to fill its topic ids in place), "
+                       "or --overwrite to replace it")
     uses: Counter = Counter()  # criterion -> occurrences, in first-seen order
     good = bad = 0
     for line in read_lines(in_path, "train", parser=_without_topics):
@@ -132,7 +139,6 @@ def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int 
         members.sort(key=lambda c: -uses[c])  # stable: ties keep first-seen order
         table.append({"id": topic, "name": name, "size": sum(uses[c] for c in members),
                       "distinct": len(members), "examples": members[:EXAMPLES]})
-    table_path = out_path.with_name(out_path.stem + ".topics.json")
     write_json(table_path, table)
     return {"read": good + bad, "written": good, "rejected": bad, "criteria": sum(uses.values()),
             "distinct_criteria": len(criteria), "topics": len(names), "table": str(table_path),

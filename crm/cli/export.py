@@ -9,6 +9,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from crm.core.files import refuse_file_as_dir, refuse_foreign, refuse_replacing
+
+
+def check_out_dir(out: Path, checkpoint: str, overwrite: bool) -> None:
+    """Another checkpoint's export in OUT_DIR (a pairwise CRM would silently become a pointwise
+    one), or files that are no export (a folder of the user's data, model files written among
+    them), are not written over without `overwrite`: a ConfigError naming --overwrite, as crm-eval
+    refuses a run dir of another checkpoint. The same checkpoint re-exports in place."""
+    from crm.models.export import META
+
+    refuse_file_as_dir(out, "OUT_DIR is the folder the exported model goes in")
+    if overwrite:
+        return
+    allow = "export into a new or empty OUT_DIR, or --overwrite to write over it"
+    if out.is_dir() and any(out.iterdir()):
+        refuse_foreign(out, out / META, "crm-export", allow)
+    refuse_replacing(out / META, {"checkpoint": checkpoint},
+                     lambda before: {"checkpoint": before.get("source")}, allow)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,10 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", default=None,
                    help="a LoRA checkpoint: the base model's directory, where it has moved since "
                         "training (checked against the fingerprint the checkpoint holds)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an OUT_DIR that holds another checkpoint's export, or files that "
+                        "are no export (refused without it)")
     args = p.parse_args(argv)
     from crm.models.checkpoint import export_checkpoint  # torch: after --help and argparse's refusals
 
     try:
+        check_out_dir(Path(args.out_dir), args.checkpoint, args.overwrite)
         out = export_checkpoint(args.checkpoint, args.out_dir, base=args.base,
                                 adapters=args.adapters)
     except (OSError, ValueError, KeyError) as exc:

@@ -78,3 +78,24 @@ def _shown(value) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(map(str, value)) + "]"
     return str(value)
+
+
+def refuse_foreign(path: str | Path, mark: str | Path, whose: str, allow: str) -> None:
+    """An existing `path` without `mark` (a file the command writes with every output of its own)
+    is not the command's earlier output: the user's data file given as OUT by a slip, another
+    command's files. A ConfigError naming `allow`, the flag that replaces it; a re-run replaces
+    its own output without a word (`refuse_replacing` tells one input's output from another's)."""
+    path = Path(path)
+    if path.exists() and not Path(mark).exists():
+        raise ConfigError(f"{path} exists and is not an output of {whose} (no {mark}): {allow}")
+
+
+def refuse_file_as_dir(path: str | Path, what: str) -> None:
+    """An output directory that is a file (or under one) is a ConfigError saying so and `what`
+    goes in it, before mkdir's bare "File exists"."""
+    path = Path(path)
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        where = "is a file" if file == path else f"is under a file ({file})"
+        raise ConfigError(f"{path} {where}, not a directory: {what}; give a new directory or an "
+                          "existing one")

@@ -100,16 +100,23 @@ def _require(obj: dict, name: str):
     return obj[name]
 
 
-def _maybe_repr_list(value, name: str):
+MESSAGES_SHAPE = ('a list of chat messages, [{"role": "user", "content": QUERY}, '
+                  '{"role": "assistant", "content": ANSWER}]')
+
+
+def _maybe_repr_list(value, name: str, expected: str | None = None):
     # The reference stored some lists as Python-repr strings; literal_eval parses literals only.
+    # `expected` names what the field holds where plain text is a likely slip (a response's text).
     if isinstance(value, str):
         try:
             value = ast.literal_eval(value)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             # TypeError: a literal that cannot be built, e.g. "{[1]: 2}" (unhashable key)
-            raise RecordError("string is not a list literal", name) from None
+            reason = f"text, expected {expected}" if expected else "string is not a list literal"
+            raise RecordError(reason, name) from None
         if not isinstance(value, list):
-            raise RecordError(f"string parses as {type(value).__name__}, expected a list", name)
+            raise RecordError(f"string parses as {type(value).__name__}, expected "
+                              f"{expected or 'a list'}", name)
     return value
 
 
@@ -156,7 +163,7 @@ def _topics(value, name: str) -> tuple[int, ...]:
 
 
 def _conversation(value, name: str) -> Conversation:
-    value = _maybe_repr_list(value, name)
+    value = _maybe_repr_list(value, name, MESSAGES_SHAPE)
     if not isinstance(value, list):
         raise RecordError(f"expected a list of messages, got {_type(value)}", name)
     if not value:

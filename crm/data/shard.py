@@ -17,8 +17,7 @@ from pathlib import Path
 
 from crm.core.records import BenchRecord, TestRecord, as_training, read_lines
 from crm.data.epoch_plan import even_split
-from crm.core.errors import ConfigError
-from crm.core.files import refuse_replacing
+from crm.core.files import refuse_file_as_dir, refuse_foreign, refuse_replacing
 from crm.data.manifest import MANIFEST, write_manifest
 from crm.data.transforms import CriteriaPool
 
@@ -48,9 +47,9 @@ def check_out_dir(out: Path, inputs: list[str]) -> None:
     command's rejects.jsonl there (`crm-data criteria`'s output dir), are not replaced: a
     ConfigError naming --overwrite. The same inputs re-shard in place."""
     allow = "shard into another OUT_DIR, or --overwrite to replace them"
-    if (out / REJECTS).exists() and not (out / MANIFEST).exists():
-        raise ConfigError(f"{out} holds another command's {REJECTS} (`crm-data criteria` writes "
-                          f"one beside its train.jsonl) and no shards: {allow}")
+    refuse_foreign(out / REJECTS, out / MANIFEST, "crm-data shard",
+                   f"shard into another OUT_DIR (`crm-data criteria` writes a {REJECTS} beside its "
+                   "train.jsonl), or --overwrite to replace it")
     refuse_replacing(out / MANIFEST, {"inputs": [str(p) for p in inputs]},
                      lambda before: {"inputs": before.get("inputs")}, allow)
 
@@ -81,6 +80,7 @@ def shard(inputs: list[str], out_dir: str | Path, *, val_fraction: float = 0.05,
     if shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: expected at least 1")
     out = Path(out_dir)
+    refuse_file_as_dir(out, "OUT_DIR is the folder the shards, manifest.json and rejects.jsonl go in")
     if not overwrite:
         check_out_dir(out, inputs)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from crm.core.files import refuse_file_as_dir
 from crm.core.glyphs import drawable
 
 
@@ -163,6 +164,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> di
     if not runs:
         raise FileNotFoundError(f"{sweep_dir}: no run with .hydra/overrides.yaml and metrics.json")
     out = Path(out_dir or sweep_dir)
+    refuse_file_as_dir(out, "--out is the folder report.md, report.csv and report.png go in")
     out.mkdir(parents=True, exist_ok=True)
     header, rows = table(runs)
     (out / "report.md").write_text(markdown(header, rows), encoding="utf-8")

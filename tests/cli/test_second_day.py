@@ -76,9 +76,9 @@ def test_crm_data_shard_keeps_other_inputs_shards_and_criterias_rejects(tmp_path
     assert done.stderr.strip().splitlines() == [
         f"crm-data shard: {out} holds the results of inputs=[{first}] (this run: inputs=[{second}]): "
         "shard into another OUT_DIR, or --overwrite to replace them",
-        f"crm-data shard: {criteria_out} holds another command's rejects.jsonl (`crm-data criteria` "
-        "writes one beside its train.jsonl) and no shards: shard into another OUT_DIR, or "
-        "--overwrite to replace them"]
+        f"crm-data shard: {criteria_out / 'rejects.jsonl'} exists and is not an output of crm-data "
+        f"shard (no {criteria_out / 'manifest.json'}): shard into another OUT_DIR (`crm-data "
+        "criteria` writes a rejects.jsonl beside its train.jsonl), or --overwrite to replace it"]
     assert (criteria_out / "rejects.jsonl").read_text() == '{"stage": "answer"}\n'
     assert json.loads((out / "manifest.json").read_text())["inputs"] == [str(second)]
 

@@ -109,7 +109,8 @@ TRAIN_DEFECTS = [
     ("repr-not-a-list", line(make_train_obj(a_criteria="{'is correct': 1}")), "a_criteria",
      "string parses as dict, expected a list"),
     ("repr-not-a-literal", line(make_train_obj(model_a="[x for x in 'ab']")), "model_a",
-     "string is not a list literal"),
+     'text, expected a list of chat messages, [{"role": "user", "content": QUERY}, '
+     '{"role": "assistant", "content": ANSWER}]'),
     ("repr-unbuildable-literal", line(make_train_obj(a_criteria="{[1]: 2}")), "a_criteria",
      "string is not a list literal"),
     ("non-int-topic-id", line(make_train_obj(a_broad_criteria_topic=[1, "2"])), "a_broad_criteria_topic",
@@ -148,6 +149,9 @@ TEST_DEFECTS = [
      "string parses as tuple, expected a list"),
     ("repr-code", line(make_test_obj(criteria="__import__('os').system('echo hi')")), "criteria",
      "string is not a list literal"),
+    # the README's format with each response as plain text: the message list's shape is said
+    ("plain-text-response", line(make_test_obj(model_b="Sure! Boil it for nine minutes.")),
+     "model_b", "text, expected a list of chat messages"),
 ]
 
 
@@ -262,7 +266,8 @@ def test_repr_string_with_code_is_rejected_and_never_executed(tmp_path, monkeypa
             with pytest.raises(RecordError) as info:
                 parse_test(obj)
             assert info.value.field == field
-            assert info.value.reason == "string is not a list literal"
+            assert info.value.reason.startswith(
+                "string is not a list literal" if field == "criteria" else "text, expected a list")
     assert calls == [] and not marker.exists()
 
 

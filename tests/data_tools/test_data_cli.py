@@ -288,6 +288,15 @@ def test_shard_missing_input_is_one_line(tmp_path, capsys):
     assert len(stderr.strip().splitlines()) == 1
     assert str(missing) in stderr and "Traceback" not in stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
+    # OUT_DIR an existing file (the user's data, given last by a slip): what is wrong, not errno 17
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(dumps(train_obj(1)) + "\n")
+    for out, where in ((mine, "is a file"), (mine / "shards", f"is under a file ({mine})")):
+        code, _, stderr = run(capsys, "shard", mine, out)
+        assert code == 2 and stderr.strip().splitlines() == [
+            f"crm-data shard: {out} {where}, not a directory: OUT_DIR is the folder the shards, "
+            "manifest.json and rejects.jsonl go in; give a new directory or an existing one"]
+    assert mine.read_text() == dumps(train_obj(1)) + "\n"
 
 
 def test_shard_failed_rerun_leaves_earlier_output_consistent(tmp_path, mixed, capsys):
@@ -617,8 +626,26 @@ def test_stats_missing_path(tmp_path, capsys):
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
     code, _, stderr = run(capsys, "stats", empty_dir)
-    assert code == 2 and "no manifest" in stderr and len(stderr.strip().splitlines()) == 1
-    assert stderr.startswith(f"crm-data stats: {empty_dir / 'manifest.json'}: no manifest"), stderr
+    assert code == 2 and stderr.strip().splitlines() == [
+        f"crm-data stats: {empty_dir}: a directory without manifest.json, not a shard dir (crm-data "
+        "shard's OUT_DIR): it holds no .jsonl file"]
+    (empty_dir / "train.jsonl").write_text(dumps(train_obj(1)) + "\n")
+    code, _, stderr = run(capsys, "stats", empty_dir)
+    assert code == 2 and stderr.strip().endswith(
+        f"not a shard dir (crm-data shard's OUT_DIR): give its data files (train.jsonl: "
+        f"{empty_dir / '*.jsonl'})")
+    # votes without criteria are counted as 40 rejected records no more: crm-data criteria is named
+    votes = tmp_path / "votes.jsonl"
+    votes.write_text(json.dumps({"prompt": "q", "chosen": conv("q", "a"), "rejected": conv("q", "b")})
+                     + "\n")
+    arena = tmp_path / "arena.csv"
+    arena.write_text("id,prompt,response_a,response_b,winner_model_a,winner_model_b,winner_tie\n")
+    for path, why in ((votes, "votes (chosen-rejected format), not training records: `crm-data "
+                               f"criteria {votes} OUT_DIR"),
+                      (arena, "votes in CSV go to `crm-data criteria`")):
+        code, stdout, stderr = run(capsys, "stats", path)
+        assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1
+        assert stderr.startswith(f"crm-data stats: {path}:1: ") and why in stderr, stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,6 +688,19 @@ def test_flip_refuses_readme_format_and_its_own_input(tmp_path, capsys):
     assert not list(tmp_path.glob("out.jsonl*"))  # nothing half-written
     code, _, err = run(capsys, "flip", readme, readme)
     assert code == 2 and "the output would overwrite the input it reads" in err
+
+    # `flip A B` meant as two inputs: B, the user's data, is not replaced without --overwrite
+    src, theirs = tmp_path / "train.jsonl", tmp_path / "theirs.jsonl"
+    src.write_text(dumps(train_obj(1)) + "\n")
+    theirs.write_text(dumps(train_obj(2)) + "\n")
+    code, stdout, err = run(capsys, "flip", src, theirs)
+    assert code == 2 and stdout == "" and err.strip().splitlines() == [
+        f"crm-data flip: {theirs} exists and is not an output of crm-data flip (no "
+        f"{theirs}.rejects.jsonl): give a new OUT.jsonl, or --overwrite to replace it"]
+    assert theirs.read_text() == dumps(train_obj(2)) + "\n"
+    assert run(capsys, "flip", src, theirs, "--overwrite")[0] == 0
+    assert json.loads(theirs.read_text())["b_criteria"] == train_obj(1)["a_criteria"]
+    assert run(capsys, "flip", src, theirs)[0] == 0  # its own output now: a re-run replaces it
 
 
 def test_installed_crm_data_script(mixed):

@@ -108,6 +108,27 @@ def test_topics_in_place_and_clear_errors(tmp_path, capsys):
     assert main(["topics", str(src), str(src), "--k", "2"]) == 0
     assert all(ln.error is None for ln in read_lines(src, "train"))
     assert not (tmp_path / "train.rejects.jsonl").exists()  # none to write
+    # `topics A B` meant as two inputs: B, the user's data, is not replaced without --overwrite
+    theirs = tmp_path / "theirs.jsonl"
+    theirs.write_text("mine\n")
+    capsys.readouterr()
+    assert main(["topics", str(src), str(theirs), "--k", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"crm-data topics: {theirs} exists and is not an output of crm-data topics (no "
+        f"{tmp_path / 'theirs.topics.json'}): give a new OUT.jsonl (or IN.jsonl itself, to fill "
+        "its topic ids in place), or --overwrite to replace it"]
+    assert theirs.read_text() == "mine\n"
+    assert main(["topics", str(src), str(theirs), "--k", "2", "--overwrite"]) == 0
+    assert (tmp_path / "theirs.topics.json").is_file()  # its own output now: a re-run replaces it
+    # votes without criteria: crm-data criteria named, as crm-data shard names it
+    votes = tmp_path / "votes.jsonl"
+    turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    votes.write_text(json.dumps({"prompt": "q", "chosen": turn, "rejected": turn}) + "\n")
+    capsys.readouterr()
+    assert main(["topics", str(votes), str(tmp_path / "v.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"crm-data topics: {votes}:1: votes (chosen-rejected format), not training records: "
+        f"`crm-data criteria {votes} OUT_DIR --base-url URL --model NAME` writes the criteria")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("{}\n")
     capsys.readouterr()

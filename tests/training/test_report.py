@@ -57,7 +57,14 @@ def test_table_has_the_varied_axes_and_every_test_set(sweep):
     assert len(skipped) == 1 and "no metrics.json" in skipped[0]
 
 
-def test_cli_writes_markdown_csv_and_plot(sweep, capsys):
+def test_cli_writes_markdown_csv_and_plot(sweep, tmp_path, capsys):
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine\n")
+    assert report_main([str(sweep), "--out", str(notes)]) == 2  # --out a file: what it wants said
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"crm-report: {notes} is a file, not a directory: --out is the folder report.md, report.csv "
+        "and report.png go in; give a new directory or an existing one"]
+    assert notes.read_text() == "mine\n"
     assert report_main([str(sweep)]) == 0
     assert (sweep / "report.md").read_text() == (
         "| loss | seed | acc/contradictory | acc/in_distribution | flip/contradictory "

@@ -322,12 +322,12 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
 
 # -- 3b. self-describing checkpoints, the prompt template, callbacks from the config -------------
 
-def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path):
+def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path, capsys):
     """A checkpoint carries its tokenizer, HF config and template: no path into the run dir."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from crm.cli.export import main as export_main
+    from crm.cli.export import check_out_dir, main as export_main
     from crm.inference.scorer import CRMScorer
 
     run_dir = tmp_path / "run"
@@ -347,6 +347,27 @@ def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path):
     assert exported.keys() == saved.keys()
     for name, tensor in exported.items():
         torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
+    # Nothing replaced silently: another checkpoint's export, a folder of the user's data, a file.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("{}\n")
+    other = str(moved / "checkpoints" / "other.ckpt")
+    allow = "export into a new or empty OUT_DIR, or --overwrite to write over it"
+    capsys.readouterr()
+    for out_dir, line in (
+            (out, f"{out} holds the results of checkpoint={checkpoint} (this run: "
+                  f"checkpoint={other}): {allow}"),
+            (data, f"{data} exists and is not an output of crm-export (no {data / 'crm.json'}): "
+                   f"{allow}"),
+            (data / "train.jsonl", f"{data / 'train.jsonl'} is a file, not a directory: OUT_DIR is "
+                                   "the folder the exported model goes in; give a new directory or "
+                                   "an existing one")):
+        assert export_main([other, str(out_dir)]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"crm-export: {line}"]
+    assert json.loads((out / "crm.json").read_text())["source"] == str(checkpoint)
+    assert sorted(p.name for p in data.iterdir()) == ["train.jsonl"]
+    check_out_dir(out, str(checkpoint), overwrite=False)  # the same checkpoint re-exports in place
+    check_out_dir(data, other, overwrite=True)
     # The scorer reads the moved checkpoint as it reads the export.
     pair = [(["answers concisely"], "how do I boil an egg?", "Nine minutes.", "No idea.")]
     from_ckpt = CRMScorer.load(checkpoint, device=torch.device("cpu"), dtype=torch.float32)
