@@ -90,6 +90,11 @@ def criteria_sets(cfg: LeaderboardConfig) -> tuple[list[str], list[str], tuple[s
         criteria = _lines(cfg.default_criteria)
     if not criteria:
         raise ConfigError("no criteria: criteria=[\"...\",...] (one line each), or default=true")
+    for key, lines in (("criteria", criteria), ("contrast", contrast)):
+        blank = [i for i, line in enumerate(lines, start=1) if not line.strip()]
+        if blank:  # the CRM would read an empty criterion, and the board be titled with it
+            raise ConfigError(f"{key}: criterion {blank[0]} of {len(lines)} is blank: write each "
+                              f"criterion as words, {key}=[\"I prefer short answers.\"]")
     labels = (cfg.labels.criteria if not cfg.default else "default", cfg.labels.contrast)
     return criteria, contrast, labels
 

@@ -466,6 +466,8 @@ def test_default_mode_ranks_under_the_generic_criterion(tmp_path):
         run_cli("leaderboard", run, [*common, "default=true", "criteria=[x]"], tmp_path / "run")
     with pytest.raises(ValueError, match="no criteria"):
         run_cli("leaderboard", run, common, tmp_path / "run")
+    with pytest.raises(ValueError, match="contrast: criterion 2 of 2 is blank: write each"):
+        run_cli("leaderboard", run, [*common, "criteria=[x]", 'contrast=[y," "]'], tmp_path / "run")
 
 
 def test_strict_refuses_rejected_lines(tmp_path):
