@@ -16,9 +16,20 @@ MODES = ("pairwise", "pointwise")
 
 def check_packing(setting) -> None:
     """`stream.packing` is auto, true or false: 0, 1 and 1.0 equal false and true in Python, and
-    are refused as the other wrong values are (crm.models.packing.decide resolves auto)."""
+    are refused as the other wrong values are (`resolve_packing` resolves auto)."""
     if not (setting is True or setting is False or setting == "auto"):
         raise ValueError(f"stream.packing={setting!r}: expected auto, true or false")
+
+
+def resolve_packing(setting, device_type: str, mode: str) -> bool:
+    """`stream.packing` for a `mode` run on `device_type`: auto = where it was measured faster
+    (docs/PERFORMANCE.md section 5): on CUDA, pairwise and pointwise. On CPU rows stay padded: at
+    the demo's sizes with torch's two threads the gathered views cost what the shared prefix and
+    the padding save (pointwise 0.99x, pairwise 0.92x on a quiet 2-core machine). `mode` is
+    part of the question, as the measurements were per mode. Here, beside the setting, and not
+    with the packed kernels (crm.models.packing): a plan or a refusal needs no transformers."""
+    check_packing(setting)
+    return device_type == "cuda" if setting == "auto" else setting
 
 
 @dataclass(frozen=True)
@@ -31,7 +42,7 @@ class StreamSettings:
     window_batches: int = 32  # length grouping: sort this many batches' worth of records by length
     num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
     packing: Any = "auto"  # auto | true | false: a batch is one row of its records' real tokens
-    # (crm.data.packing); auto is resolved for the run's device by crm.models.packing.decide
+    # (crm.data.packing); auto is resolved for the run's device by resolve_packing
 
     def __post_init__(self):
         check_packing(self.packing)  # at composition: before torch loads
@@ -57,6 +68,6 @@ class StreamConfig(StreamSettings):
     def __post_init__(self):
         if not isinstance(self.packing, bool):
             raise ValueError(f"stream packing={self.packing!r}: a StreamConfig takes true or false "
-                             "(crm.models.packing.decide resolves auto for a device)")
+                             "(resolve_packing resolves auto for a device)")
         if self.mode not in MODES:
             raise ValueError(f"stream mode={self.mode!r}: expected one of {MODES}")

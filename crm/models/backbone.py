@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, Qwen3Config
 from transformers.utils import is_flash_attn_2_available
 
-from crm.models.config import DTYPE_NAMES
+from crm.models.config import COMPILABLE_ATTENTION, DTYPE_NAMES, not_compilable
 
 log = logging.getLogger(__name__)
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -37,16 +37,6 @@ ARCHITECTURES: dict[str, dict] = {
 # What compiled decoder layers can run (crm.models.compile): transformers' flash-attention wrapper
 # branches on tensor values (a one-row batch's packed-sequence check) and logs inside the layer, so
 # dynamo cannot capture it whole (docs/PERFORMANCE.md section 9).
-COMPILABLE_ATTENTION = ("sdpa", "eager")
-
-
-def not_compilable(attention: str) -> str:
-    """The one-line refusal of an attention implementation that compiled layers cannot run."""
-    return (f"attention={attention} cannot run in compiled decoder layers (transformers' "
-            "flash-attention wrapper branches on tensor values, e.g. on a one-row batch); use "
-            "attention=sdpa, whose flash kernel serves Qwen3's grouped heads on the GPU, or compile=false")
-
-
 def choose_attention(requested: str = "auto", compiled: bool = False) -> str:
     """The attention implementation for a model whose decoder layers are `compiled` or eager.
 

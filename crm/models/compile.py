@@ -31,8 +31,8 @@ import logging
 import torch
 from torch import nn
 
-from crm.models.backbone import COMPILABLE_ATTENTION, decoder_layers, not_compilable
-from crm.models.config import resolve_compile
+from crm.models.backbone import decoder_layers
+from crm.models.config import COMPILABLE_ATTENTION, not_compilable, resolve_compile
 
 log = logging.getLogger(__name__)
 

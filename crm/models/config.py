@@ -17,6 +17,16 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+COMPILABLE_ATTENTION = ("sdpa", "eager")
+
+
+def not_compilable(attention: str) -> str:
+    """The one-line refusal of an attention implementation that compiled layers cannot run."""
+    return (f"attention={attention} cannot run in compiled decoder layers (transformers' "
+            "flash-attention wrapper branches on tensor values, e.g. on a one-row batch); use "
+            "attention=sdpa, whose flash kernel serves Qwen3's grouped heads on the GPU, or compile=false")
+
+
 def resolve_compile(setting, device_type: str) -> bool:
     """The `compile` setting for a model on `device_type`: auto = on where it runs on CUDA.
 

@@ -30,7 +30,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from crm.data.config import check_packing
 
 ATTENTION = "crm_packed"
 PATHS = ("gather", "flex", "varlen")
@@ -86,16 +85,6 @@ def varlen_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
-
-
-def decide(setting, device_type: str, mode: str) -> bool:
-    """`stream.packing` for a `mode` run on `device_type`: auto = where it was measured faster
-    (docs/PERFORMANCE.md section 5): on CUDA, pairwise and pointwise. On CPU rows stay padded: at
-    the demo's sizes with torch's two threads the gathered views cost what the shared prefix and
-    the padding save (pointwise 0.99x, pairwise 0.92x on a quiet 2-core machine). `mode` is
-    part of the question, as the measurements were per mode."""
-    check_packing(setting)
-    return device_type == "cuda" if setting == "auto" else setting
 
 
 def attention_path(device_type: str, branched: bool, dtype: torch.dtype = torch.bfloat16) -> str:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Resolved:
     compile: bool  # each decoder layer compiled (crm.models.compile)
-    packing: bool  # a micro batch is one packed row (crm.models.packing.decide)
+    packing: bool  # a micro batch is one packed row (crm.data.config.resolve_packing)
     micro_batch_size: int  # records per forward on one rank (batch_plan)
     accumulation: int  # micro batches per optimizer step
     sharding: str  # fsdp | hsdp (crm.perf.network.choose_sharding under auto)
@@ -160,11 +160,12 @@ def compile_layers(run, env: Environment) -> bool:
     """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
     where inductor can; compile=true where it cannot, and an attention implementation compiled
     layers cannot run, are refused at start). A planned node is not asked for its compiler."""
-    from crm.models import compile as compiling
-    from crm.models.backbone import COMPILABLE_ATTENTION, not_compilable
-    from crm.models.config import resolve_compile
+    from crm.models.config import COMPILABLE_ATTENTION, not_compilable, resolve_compile
 
-    decide = compiling.decide if env.this_machine else resolve_compile
+    if env.this_machine:  # asks this machine's compiler: imports inductor's builder and the model
+        from crm.models.compile import decide
+    else:
+        decide = resolve_compile
     try:
         wanted = decide(run.compile, env.device)
     except ValueError as exc:
@@ -176,10 +177,10 @@ def compile_layers(run, env: Environment) -> bool:
 
 def packed_rows(run, device: str) -> bool:
     """`stream.packing` for the trainer's device (auto: on CUDA); a wrong value is refused at start."""
-    from crm.models import packing
+    from crm.data.config import resolve_packing
 
     try:
-        return packing.decide(run.stream.packing, device, run.loss.kind)
+        return resolve_packing(run.stream.packing, device, run.loss.kind)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

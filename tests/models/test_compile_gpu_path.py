@@ -257,7 +257,7 @@ def test_a_model_with_flash_attention_is_not_compiled():
 
 
 def test_transformers_flash_attention_wrapper_breaks_the_graph_on_one_row(flash_attn_installed):
-    """Why compiled layers refuse flash_attention_2 (backbone.not_compilable): transformers 5.23's
+    """Why compiled layers refuse flash_attention_2 (crm.models.config.not_compilable): transformers 5.23's
     wrapper, run whole by dynamo over the stand-in, compiles a bf16 four-row batch but stops on a
     one-row batch (its packed-sequence check reads tensor values) and under autocast (it logs from
     inside the layer). If this test fails, transformers has fixed it: the refusal can go."""

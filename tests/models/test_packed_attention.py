@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import COMPILE_ARCH, tiny_tokenizer
 
+from crm.data.config import resolve_packing
 from crm.data.packing import pack, split_shared, unpack
 from crm.data.padding import pad_rows
 from crm.models import compile as compiling
@@ -114,11 +115,11 @@ def test_flex_attentions_block_mask_keeps_what_the_gathered_views_keep(kind):
 
 
 def test_auto_packs_where_it_was_measured_faster():
-    assert packing.decide("auto", "cuda", "pairwise") and packing.decide("auto", "cuda", "pointwise")
-    assert not packing.decide("auto", "cpu", "pointwise") and not packing.decide("auto", "cpu", "pairwise")
-    assert packing.decide(True, "cpu", "pairwise") and not packing.decide(False, "cuda", "pointwise")
+    assert resolve_packing("auto", "cuda", "pairwise") and resolve_packing("auto", "cuda", "pointwise")
+    assert not resolve_packing("auto", "cpu", "pointwise") and not resolve_packing("auto", "cpu", "pairwise")
+    assert resolve_packing(True, "cpu", "pairwise") and not resolve_packing(False, "cuda", "pointwise")
     with pytest.raises(ValueError, match="stream.packing='yes': expected auto, true or false"):
-        packing.decide("yes", "cpu", "pairwise")
+        resolve_packing("yes", "cpu", "pairwise")
 
 
 def test_one_place_chooses_the_kernel():

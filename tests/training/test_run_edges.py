@@ -13,8 +13,7 @@ from test_train import compose_train, run_train
 from crm.cli import train as train_cli
 from crm.cli.schema import settings
 from crm.core.errors import ConfigError
-from crm.data.config import StreamConfig
-from crm.models import packing
+from crm.data.config import StreamConfig, resolve_packing
 from crm.training.callbacks import ExportBest
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -42,8 +41,8 @@ def test_crm_evals_compile_refuses_a_number_too():
 
 def test_a_library_stream_is_padded_as_crm_train_auto_is_on_cpu():
     assert StreamConfig(batch_size=2).packing is False
-    assert packing.decide("auto", "cpu", "pairwise") is False
-    assert packing.decide("auto", "cpu", "pointwise") is False
+    assert resolve_packing("auto", "cpu", "pairwise") is False
+    assert resolve_packing("auto", "cpu", "pointwise") is False
 
 
 def test_only_global_rank_zero_keeps_the_benchmarks(tmp_path, monkeypatch):
