@@ -115,6 +115,8 @@ def _nearest(full_key: str, parent) -> str:
     prefix, _, name = full_key.rpartition(".")
     keys = [str(k) for k in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
     match = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+    if not match:  # another command's short name for a key (crm-eval's data.test: data.test_files)
+        match = [key for key in keys if key.startswith(name)][:1] if name else []
     if not match and prefix == "trainer":
         # Lightning's arguments only when the group's own keys hold no near name: most slips are
         # of a key the group sets (max_stepz), and that key is the one to name.

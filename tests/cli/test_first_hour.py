@@ -61,6 +61,7 @@ def test_data_path_without_data_shards_is_refused_and_the_users_shards_stay_as_t
     (["+trainer.max_step=10"], "trainer.max_step: not an argument of Lightning's Trainer (did you "
                                "mean trainer.max_steps?)"),
     (["optim.lrr=1"], "optim.lrr: no such key (did you mean optim.lr?)"),
+    (["data.test=[a.jsonl]"], "data.test: no such key (did you mean data.test_files?)"),
     (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
     (["model=tinyy"], "Could not find 'model/tinyy' (options: "),
     (["data.test_files=a.jsonl"], "data.test_files: a list: write data.test_files=[...], e.g. "
