@@ -76,11 +76,15 @@ def select(path: str | Path, baseline: str, topics: Sequence[str] | None = None,
     topic appears nowhere, or no line is usable.
     """
     path = str(path)
-    parsed, rejects = [], []
+    parsed, rejects, first_line = [], [], {}
     for line in read_lines(path, "bench"):
         if line.error:
             rejects.append(line.error.as_dict())
+        elif line.record.idx in first_line:  # a vote or a suggested pair names its query by idx
+            rejects.append(RecordError(f"idx {line.record.idx!r} is line {first_line[line.record.idx]}'s "
+                                       "too: each query once", "idx", path, line.number).as_dict())
         else:
+            first_line[line.record.idx] = line.number
             parsed.append((line.number, line.record))
     in_file = list(dict.fromkeys(name for _, r in parsed for name in r.responses))
     if baseline not in in_file:

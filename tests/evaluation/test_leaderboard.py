@@ -194,21 +194,24 @@ def test_a_line_missing_the_baseline_or_a_model_is_reported_not_skipped(tmp_path
         bench_line(2, "t", {"base": "x", "m1": "win"}),              # no m2
         '{"idx": 3, "topic": "t", "prompt": "q", "responses": ',     # broken JSON
         bench_line(4, "t", {"base": "x", "m1": "lose", "m2": "win"}),
+        bench_line(0, "t", {"base": "y", "m1": "win", "m2": "win"}),  # line 1's idx again
     ])
     selection = select(path, "base")
-    assert selection.counts == {"read": 5, "used": 2, "rejected": 3, "outside_topics": 0}
+    assert selection.counts == {"read": 6, "used": 2, "rejected": 4, "outside_topics": 0}
     rejects = sorted(selection.rejects, key=lambda r: r["line"])
     assert [(r["file"], r["line"], r["field"]) for r in rejects] == [
-        (str(path), 2, "responses.base"), (str(path), 3, "responses.m2"), (str(path), 4, "")]
+        (str(path), 2, "responses.base"), (str(path), 3, "responses.m2"), (str(path), 4, ""),
+        (str(path), 6, "idx")]
     assert "baseline 'base'" in rejects[0]["reason"] and "bad JSON" in rejects[2]["reason"]
+    assert rejects[3]["reason"] == "idx '0' is line 1's too: each query once"
     # ranking only m1: the line without m2 is usable again
     assert select(path, "base", models=["m1"]).counts["used"] == 3
     # and the outputs say so
     result = leaderboard(StubScorer(), selection, ["be brief"])
-    assert result["examples"]["rejected"] == 3 and len(result["rejects"]) == 3
+    assert result["examples"]["rejected"] == 4 and len(result["rejects"]) == 4
     text = markdown(result)
     assert f"{path}:2: responses.base: no response from the baseline" in text
-    assert "2 examples used (3 rejected, 0 outside the selected topics, 5 read)" in text
+    assert "2 examples used (4 rejected, 0 outside the selected topics, 6 read)" in text
 
 
 def test_a_baseline_or_model_absent_everywhere_is_an_error(tmp_path):
