@@ -240,7 +240,7 @@ def train(cfg: DictConfig) -> dict | None:
                                                              logger, trainer.global_step)
         curves = run_dir / "csv" / "metrics.csv"
         if run.logger.name == "csv" and curves.is_file():
-            plot_curves(curves)
+            plot_curves(curves, run=f"{run.name} · {run_dir.name}")
         metrics["wall_seconds"] = round(time.time() - started, 1)
         keep_earlier_figures(metrics["train"], run_dir / "metrics.json")
         write_json(run_dir / "metrics.json", metrics)

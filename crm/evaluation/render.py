@@ -149,11 +149,24 @@ def plot(result: dict, path: str | Path) -> Path:
     n_models = len(result["models"])
     height = max(2.6, 0.42 * n_models + 1.4)
     slope = len(boards) == 2
-    widths = [3.2, max(2.4, 0.62 * len(topics))] + ([3.0] if slope else [])  # inches
+    widths = [3.2, max(2.4, 0.62 * len(topics))]  # inches
+    wspace = 0.12 + 0.08 * slope
     fig = plt.figure(figsize=(sum(widths) + 1.5, height * len(boards)), dpi=110)
+    if slope:
+        # The slope chart is as wide as its labels (a long name, an emoji's name, "(=N)") on either
+        # side of the two ranks' axes, so that none runs into the heatmap on its left.
+        (y_a, label_a), (y_b, label_b) = (slope_positions(b["rows"]) for b in boards)
+        left, right = (_width_inches(fig, [drawable(t) for t in labels.values()], fontsize=8)
+                       + _SLOPE_GAP + 0.1 for labels in (label_a, label_b))
+        # A column's share of the figure's width is less than its ratio's (margins, spaces):
+        # widened until the axes drawn hold the labels and the ranks' distance.
+        needed = left + _SLOPE_APART + right
+        widths.append(needed)
+        for _ in range(6):  # converges within a hundredth of an inch
+            widths[2] *= needed / _column_inches(fig, widths, 2, wspace)
     # A lower board's title (two lines when its criteria wrap) clears the upper one's x label.
-    grid = GridSpec(len(boards), len(widths), figure=fig, width_ratios=widths,
-                    wspace=0.12 + 0.08 * slope, hspace=0.55 + 1.1 / height)
+    grid = GridSpec(len(boards), len(widths), figure=fig, width_ratios=widths, wspace=wspace,
+                    hspace=0.55 + 1.1 / height)
     cmap = plt.get_cmap("RdYlGn")
     for b, board in enumerate(boards):
         rows = board["rows"]
@@ -181,12 +194,9 @@ def plot(result: dict, path: str | Path) -> Path:
         ax.set_ylim(len(rows) - 0.5, -0.5)  # best on top, rows level with the heatmap's
         ax.set_xlabel(f"Overall win rate vs {drawable(result['baseline'])} (%)", fontsize=8.5)
         ax.spines[["top", "right"]].set_visible(False)
-        criteria = " / ".join(f"\u201c{c}\u201d" for c in board["criteria"])
         # Above the heatmap's own label, not beside it: wrapped to the bars and the heatmap's
         # width (about 11 bold characters an inch), at most two lines.
-        title = textwrap.wrap(drawable(f"{board['label']}: {criteria}"), int(11 * sum(widths[:2])))
-        if len(title) > 2:
-            title = [title[0], _shorten(" ".join(title[1:]), len(title[0]))]
+        title = board_title(board["label"], board["criteria"], int(11 * sum(widths[:2])))
         ax.set_title("\n".join(title), loc="left", fontsize=10, fontweight="bold", pad=20)
 
         heat = fig.add_subplot(grid[b, 1])
@@ -205,16 +215,18 @@ def plot(result: dict, path: str | Path) -> Path:
 
     if slope:
         ax = fig.add_subplot(grid[:, 2])
-        (y_a, label_a), (y_b, label_b) = (slope_positions(b["rows"]) for b in boards)
         colors = plt.get_cmap("tab10")
+        # In the axis' units the two ranks stand at 0 and 1, `apart` inches apart.
+        apart = ax.get_position().width * fig.get_figwidth() - left - right
+        gap = _SLOPE_GAP / apart
         for i, model in enumerate(y_a):
             color = colors(i % 10)
             ax.plot([0, 1], [y_a[model], y_b[model]], "-o", color=color, lw=1.8, ms=5)
-            ax.text(-0.06, y_a[model], drawable(label_a[model]), ha="right", va="center", fontsize=8,
+            ax.text(-gap, y_a[model], drawable(label_a[model]), ha="right", va="center", fontsize=8,
                     color=color)
-            ax.text(1.06, y_b[model], drawable(label_b[model]), ha="left", va="center", fontsize=8,
-                    color=color)
-        ax.set_xlim(-0.9, 1.9)
+            ax.text(1 + gap, y_b[model], drawable(label_b[model]), ha="left", va="center",
+                    fontsize=8, color=color)
+        ax.set_xlim(-left / apart, 1 + right / apart)
         ax.set_ylim(n_models + 0.6, 0.4)
         # Wrapped: the two labels stand an inch apart (a long label, or an emoji's name, ran into
         # the other).
@@ -230,11 +242,20 @@ def plot(result: dict, path: str | Path) -> Path:
     # overprinted the first, more so when criteria wrap); the tight bounding box keeps it.
     renderer = fig.canvas.get_renderer()
     top = max(a.get_tightbbox(renderer).y1 for a in fig.axes) + 8  # pixels
-    fig.suptitle(drawable(f"User-centric leaderboard: win rate against {result['baseline']} "
-                          f"({counts['used']} examples, {len(topics)} topics) [rank set]\n"
-                          + "\n".join(_plot_note(b) for b in boards)), x=0.01, ha="left", va="bottom",
-                 y=fig.transFigure.inverted().transform((0, top))[1], fontsize=12,
-                 fontweight="bold")
+    # No wider than the panels below (a long board label drew it to the image's edge): its
+    # lines are wrapped, narrower each time, until it fits.
+    right = max(a.get_tightbbox(renderer).x1 for a in fig.axes)
+    lines = [drawable(f"User-centric leaderboard: win rate against {result['baseline']} "
+                      f"({counts['used']} examples, {len(topics)} topics) [rank set]")]
+    lines += [drawable(_plot_note(b)) for b in boards]
+    main = fig.suptitle("\n".join(lines), x=0.01, ha="left", va="bottom",
+                        y=fig.transFigure.inverted().transform((0, top))[1], fontsize=12,
+                        fontweight="bold")
+    chars = max(map(len, lines))
+    while main.get_window_extent(renderer).x1 > right and chars > 30:
+        chars = int(chars * 0.9)
+        main.set_text("\n".join(wrapped for line in lines
+                                for wrapped in textwrap.wrap(line, chars, subsequent_indent="  ")))
     path = Path(path)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
@@ -250,6 +271,51 @@ def _plot_note(board: dict) -> str:
         votes = sum(r["overall"].get("votes", 0) for r in board["rows"])
         return f"{board['label']}: PPI intervals, {votes} of the user's votes{slot}"
     return f"{board['label']}: intervals assume the CRM's verdict is the user's{slot}"
+
+
+# The slope chart, in inches: its two ranks' axes stand this far apart (their labels, wrapped to
+# 14 characters, fit between), and a model's label this far from its point.
+_SLOPE_APART, _SLOPE_GAP = 1.3, 0.07
+
+
+def board_title(label: str, criteria: list[str], width: int, lines: int = 2) -> list[str]:
+    """A board's title as drawn, in `lines` lines of `width` characters at most: its label and as
+    many whole criteria as fit, then how many more there are (a cut title read as if it held
+    them all); the first criterion shortened when even it alone does not fit."""
+    quoted = [f"\u201c{c}\u201d" for c in criteria]
+    for shown in range(len(quoted), 0, -1):
+        more = _more(len(quoted) - shown)
+        title = textwrap.wrap(drawable(f"{label}: " + " / ".join(quoted[:shown])) + more, width)
+        if len(title) <= lines:
+            return title
+    more = _more(len(quoted) - 1)
+    title = textwrap.wrap(drawable(f"{label}: {quoted[0]}"), width)
+    return title[:lines - 1] + [_shorten(" ".join(title[lines - 1:]), width - len(more)) + more]
+
+
+def _more(count: int) -> str:
+    return f" (+{count} more in leaderboard.md)" if count else ""
+
+
+def _column_inches(fig, widths: list[float], column: int, wspace: float) -> float:
+    """How wide GridSpec draws `column` of `widths` (its ratios) in a figure `widths` + 1.5
+    inches wide, with `fig`'s margins: `fig` is resized to that width."""
+    fig.set_size_inches(sum(widths) + 1.5, fig.get_figheight())
+    params = fig.subplotpars
+    n = len(widths)
+    cells = fig.get_figwidth() * (params.right - params.left) * n / (n + wspace * (n - 1))
+    return cells * widths[column] / sum(widths)
+
+
+def _width_inches(fig, texts: list[str], fontsize: float) -> float:
+    """The widest of `texts` as `fig` draws them, in inches."""
+    renderer = fig.canvas.get_renderer()
+    widest = 0.0
+    for text in texts:
+        drawn = fig.text(0, 0, text, fontsize=fontsize)
+        widest = max(widest, drawn.get_window_extent(renderer).width)
+        drawn.remove()
+    return widest / fig.dpi
 
 
 def _shorten(text: str, n: int) -> str:

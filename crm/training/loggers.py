@@ -78,21 +78,28 @@ class ResumableCSVLogger(L.pytorch.loggers.CSVLogger):
         return writer
 
 
-def plot_curves(metrics_csv: Path) -> Path | None:
+def plot_curves(metrics_csv: Path, run: str) -> Path | None:
     """`curves.png` beside the CSV logger's metrics.csv: loss and accuracy by optimizer step, train
-    and validation, so a run is read at a glance (None when there is no step to draw)."""
-    series: dict[str, list[tuple[float, float]]] = {}
+    and validation, titled with `run`, so a run is read at a glance (None when there is no step to
+    draw)."""
+    series: dict[str, list[tuple[int, float]]] = {}
     with open(metrics_csv, newline="", encoding="utf-8") as handle:
         for row in csv.DictReader(handle):
             for name in ("train/loss", "val/loss", "train/acc", "val/acc"):
                 if row.get(name) and row.get("step"):
-                    series.setdefault(name, []).append((float(row["step"]), float(row[name])))
+                    # Lightning writes train and val rows under the steps taken before this one
+                    # (0 after the first): drawn at the optimizer steps taken, as crm-train counts.
+                    steps = int(float(row["step"])) + 1
+                    series.setdefault(name, []).append((steps, float(row[name])))
     if not series:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    from crm.core.glyphs import drawable
 
     panels = [p for p in ("loss", "acc") if any(n.endswith(p) for n in series)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
@@ -104,10 +111,12 @@ def plot_curves(metrics_csv: Path) -> Path | None:
                         label=split)
         if panel == "acc":
             ax.axhline(0.5, color="grey", lw=0.8, ls="--")  # chance on two labels
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel("optimizer steps taken")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel({"loss": "loss", "acc": "accuracy"}[panel])
         ax.legend(fontsize=8)
         ax.spines[["top", "right"]].set_visible(False)
+    fig.suptitle(drawable(run), fontsize=11, fontweight="bold")
     fig.tight_layout()
     path = Path(metrics_csv).with_name("curves.png")
     fig.savefig(path, dpi=110)

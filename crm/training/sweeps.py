@@ -133,25 +133,32 @@ def plot(header: list[str], rows: list[list], path: Path, n_axes: int,
 
     sets = [h for h in header if h.startswith("acc/")]
     jobs = jobs or [str(i) for i in range(len(rows))]
-    labels = [drawable(", ".join(str(v) for v in row[:n_axes]) or f"job {job}")
+    # An axis a run left unset (it kept the config's value) reads as "-", not as nothing.
+    labels = [drawable(", ".join(str(v) if v != "" else "-" for v in row[:n_axes]) or f"job {job}")
               for row, job in zip(rows, jobs)]
     width = 0.8 / max(1, len(sets))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * max(1, len(sets)) * 0.5), 4.2))
     for j, name in enumerate(sets):
         col = header.index(name)
-        values = [row[col] if isinstance(row[col], (int, float)) else 0.0 for row in rows]
+        present = [isinstance(row[col], (int, float)) for row in rows]
+        values = [row[col] if ok else 0.0 for row, ok in zip(rows, present)]
         xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(rows))]
         bars = ax.bar(xs, values, width, label=drawable(name[4:]))
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        # a set a run did not evaluate is no bar, not a bar of 0.00
+        ax.bar_label(bars, [f"{v:.2f}" if ok else "n/a" for v, ok in zip(values, present)],
+                     fontsize=7, padding=1)
     if not sets:  # empty axes would look like a plotting failure
         ax.text(0.5, 0.5, "no test-set accuracy: these runs evaluated no data.test_files",
                 ha="center", va="center", transform=ax.transAxes, color="#555")
     ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(rows)), labels, rotation=15 if len(rows) > 4 else 0)
+    ax.set_xlabel(drawable(", ".join(header[:n_axes])) + (" (-: the config's value)" if any(
+        v == "" for row in rows for v in row[:n_axes]) else "") if n_axes else "sweep job")
     ax.set_ylim(0, 1.08)
     ax.set_ylabel("accuracy (mean of both orders)")
-    if sets:
-        ax.legend(fontsize=8, ncols=min(4, len(sets)), loc="lower right")
+    if sets:  # above the axes: inside, it covered the bars (they reach 1.0)
+        ax.legend(fontsize=8, ncols=min(4, len(sets)), loc="lower left", bbox_to_anchor=(0, 1.01),
+                  frameon=False, title="test set", title_fontsize=8, alignment="left")
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

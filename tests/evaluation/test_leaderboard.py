@@ -268,10 +268,16 @@ def test_markdown_and_png_with_a_contrast_set(tmp_path):
 def test_a_long_criteria_title_stays_clear_of_the_heatmaps_label(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    lines = [bench_line(i, ("t1", "t2")[i % 2], {"base": "x", "m1": "win", "m2": "lose"})
-             for i in range(4)]
+    # Tied models with long names (an emoji drawn as its name, "(=1)"), three criteria a set, a
+    # long board label: what ran into the heatmap, hid criteria and reached the image's edge.
+    models = {"base": "x", "terse-🤖": "win", "verbose-assistant-v2": "win", "m2": "lose"}
+    lines = [bench_line(i, ("t1", "t2")[i % 2], models) for i in range(4)]
     selection = select(write_bench(tmp_path / "bench.jsonl", lines), "base")
-    result = leaderboard(StubScorer(), selection, ["short"], contrast=["long " * 40])
+    result = leaderboard(StubScorer(), selection,
+                         ["be concise and direct, never pad an answer with restatements",
+                          "no filler words or pleasantries of any kind", "answer first"],
+                         contrast=["long " * 40, "and two", "more"],
+                         labels=("short", "detailed and thorough explanations of every step"))
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to measure its texts
     plot(result, tmp_path / "leaderboard.png")
@@ -283,10 +289,28 @@ def test_a_long_criteria_title_stays_clear_of_the_heatmaps_label(tmp_path, monke
         label = heat._right_title.get_window_extent(renderer)
         assert not title.overlaps(label) and title.y0 > label.y0
         assert title.x1 <= heat.get_window_extent(renderer).x1  # wrapped within bars + heatmap
-    # The figure's title clears the first board's (it overprinted it), and says which orders
-    # were judged: one order lets a slot-biased CRM decide the board.
+    # A title too long for its two lines says how many criteria it leaves out (it showed the
+    # first, cut, as if there were no other): whole criteria as far as they fit, else the first
+    # shortened.
+    assert [bar._left_title.get_text() for bar in bars] == [
+        "short: \u201cbe concise and direct, never pad an answer with\nrestatements\u201d "
+        "(+2 more in leaderboard.md)",
+        "detailed and thorough explanations of every step: \u201clong long\nlong long long long long "
+        "long lo\u2026 (+2 more in leaderboard.md)"]
+    # The slope chart's labels stand in its own axes, clear of the heatmaps on their left (a long
+    # tied name ran into them).
+    slope = fig.axes[4]
+    labels = [text.get_window_extent(renderer) for text in slope.texts]
+    assert "terse-:robot face: (=1)" in [text.get_text() for text in slope.texts]
+    edge = slope.get_window_extent(renderer)
+    assert all(edge.x0 <= label.x0 and label.x1 <= edge.x1 for label in labels)
+    assert all(label.x0 > heat.get_tightbbox(renderer).x1 for label in labels for heat in heats)
+    # The figure's title clears the first board's (it overprinted it), no wider than the panels
+    # (its third line reached the image's edge), and says which orders were judged: one order
+    # lets a slot-biased CRM decide the board.
     main = fig._suptitle.get_window_extent(renderer)
     assert not main.overlaps(bars[0]._left_title.get_window_extent(renderer))
+    assert main.x1 <= max(ax.get_tightbbox(renderer).x1 for ax in fig.axes)
     assert "baseline in slot A only" in fig._suptitle.get_text()
     lower_title = bars[1]._left_title.get_window_extent(renderer)
     assert not lower_title.overlaps(bars[0].xaxis.label.get_window_extent(renderer))

@@ -57,7 +57,9 @@ def test_table_has_the_varied_axes_and_every_test_set(sweep):
     assert len(skipped) == 1 and "no metrics.json" in skipped[0]
 
 
-def test_cli_writes_markdown_csv_and_plot(sweep, tmp_path, capsys):
+def test_cli_writes_markdown_csv_and_plot(sweep, tmp_path, capsys, monkeypatch):
+    import matplotlib.pyplot as plt
+
     notes = tmp_path / "notes.md"
     notes.write_text("mine\n")
     assert report_main([str(sweep), "--out", str(notes)]) == 2  # --out a file: what it wants said
@@ -65,6 +67,8 @@ def test_cli_writes_markdown_csv_and_plot(sweep, tmp_path, capsys):
         f"crm-report: {notes} is a file, not a directory: --out is the folder report.md, report.csv "
         "and report.png go in; give a new directory or an existing one"]
     assert notes.read_text() == "mine\n"
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to measure its parts
     assert report_main([str(sweep)]) == 0
     assert (sweep / "report.md").read_text() == (
         "| loss | seed | acc/contradictory | acc/in_distribution | flip/contradictory "
@@ -76,6 +80,17 @@ def test_cli_writes_markdown_csv_and_plot(sweep, tmp_path, capsys):
     assert (sweep / "report.csv").read_text().splitlines()[1] == "cls,,0.98,0.99,0.02,0.0,700,250.5"
     assert (sweep / "report.png").stat().st_size > 5000
     assert "3 runs" in capsys.readouterr().out
+    (fig,) = figures
+    (ax,) = fig.axes
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    bars = [bar.get_window_extent(renderer) for bar in ax.patches] + [
+        text.get_window_extent(renderer) for text in ax.texts]  # the bars' figures
+    assert len(bars) == 2 * 6 and not any(legend.overlaps(bar) for bar in bars)  # it sat on them
+    # which setting is which: the axis is named, an unset one is "-", a set not evaluated "n/a"
+    assert ax.get_xlabel() == "loss, seed (-: the config's value)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["cls, -", "ranking, -", "ranking, 1"]
+    assert [t.get_text() for t in ax.texts] == ["0.98", "0.90", "0.50", "0.99", "0.95", "n/a"]
 
 
 def test_cli_on_a_dir_without_runs_fails_cleanly(tmp_path, capsys):

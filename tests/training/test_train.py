@@ -254,13 +254,16 @@ def test_user_shards_train(tmp_path, recwarn, caplog, capsys):
 # -- 3. the demo chain: train -> export -> evaluate -----------------------------------------------
 
 @pytest.mark.parametrize("loss", ["cls", "ranking"])
-def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
+def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from crm.models.heads import last_token_logits
     from crm.inference.scorer import CRMScorer
 
     run_dir = tmp_path / "run"
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the curves' figure to read it
     # Evaluation refuses a test pair that cannot fit: 384 tokens fit every demo pair.
     metrics = run_train(demo_root, run_dir, f"loss={loss}", "trainer.max_steps=4",
                         "val_every_n_steps=2", "stream.max_tokens=384", "logger=csv",
@@ -280,6 +283,12 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path):
     header = (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"train/loss", "val/loss", "step"} <= set(header)
     assert (run_dir / "csv" / "curves.png").stat().st_size > 10_000  # the curves beside the CSV
+    # drawn at the optimizer steps taken (val after 2 and 4), the CSV's step being one less
+    (fig,) = figures
+    curves = {line.get_label(): list(line.get_xdata()) for ax in fig.axes
+              for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert curves == {"train": [1, 2, 3, 4], "val": [2, 4]}
+    assert fig._suptitle.get_text() == "demo · run"  # which run: its name and its dir
 
     export = run_dir / "export"
     meta = json.loads((export / "crm.json").read_text())
