@@ -1,8 +1,9 @@
 """Sweeps (Hydra multiruns): a job's axes are its overrides (`parse_overrides`: what crm-train tags
-a sweep's runs with), and one table across a sweep's runs: the varied axes, each test set's
-accuracy, each benchmark's figures (`benchmarks`: its headline, then per subset), flip rate,
-steps, wall time. The table reads each run's `.hydra/overrides.yaml` and
-`metrics.json`; nothing else.
+a sweep's runs with), and one table across a sweep's runs: the job, the varied axes, each test
+set's accuracy, each benchmark's figures (`benchmarks`: its headline, then per subset), flip
+rate, steps, wall time, and, where a job has no metrics.json (failed or still running), a note
+saying so on its row: a job that did not finish is named, not dropped. The table reads each
+run's `.hydra/overrides.yaml` and `metrics.json`; nothing else.
 """
 from __future__ import annotations
 
@@ -22,19 +23,25 @@ from crm.core.glyphs import drawable
 class Run:
     path: Path
     overrides: dict  # key -> value, as given on the command line / by the sweeper
-    metrics: dict
+    metrics: dict  # {} for a job that did not finish
+    finished: bool = True  # whether it wrote metrics.json
+
+
+UNFINISHED = "no metrics.json: failed or still running"
 
 
 def read_runs(sweep_dir: str | Path) -> tuple[list[Run], list[str]]:
-    """Runs under `sweep_dir` (those with metrics.json), and the reasons others were skipped."""
+    """Runs under `sweep_dir`, those without metrics.json included (`finished` false), and the
+    reason for each of those."""
     runs, skipped = [], []
     for overrides_file in sorted(Path(sweep_dir).glob("**/.hydra/overrides.yaml")):
         run_dir = overrides_file.parent.parent
         metrics_file = run_dir / "metrics.json"
-        if not metrics_file.is_file():
-            skipped.append(f"{run_dir}: no metrics.json (failed or still running)")
-            continue
         items = yaml.safe_load(overrides_file.read_text()) or []
+        if not metrics_file.is_file():
+            skipped.append(f"{run_dir}: {UNFINISHED}")
+            runs.append(Run(run_dir, parse_overrides(items), {}, finished=False))
+            continue
         runs.append(Run(run_dir, parse_overrides(items), json.loads(metrics_file.read_text())))
     runs.sort(key=lambda r: _job_number(r.path))
     return runs, skipped
@@ -80,21 +87,24 @@ def _benchmark_figure(run: Run, column: str):
 
 
 def table(runs: list[Run]) -> tuple[list[str], list[list]]:
-    """(header, rows): axes, accuracy (mean of both orders) per test set, the benchmarks'
-    figures, flip rate per test set (each column names its file: position bias differs by set),
-    steps, wall seconds. A value a run lacks is empty."""
+    """(header, rows): the job (its run dir's name), axes, accuracy (mean of both orders) per
+    test set, the benchmarks' figures, flip rate per test set (each column names its file:
+    position bias differs by set), steps, wall seconds, and a `note` column where a job did not
+    finish (its figures empty). A value a run lacks is empty."""
     axes, sets, benchmarks = varied_axes(runs), test_sets(runs), benchmark_columns(runs)
-    header = (axes + [f"acc/{s}" for s in sets] + benchmarks + [f"flip/{s}" for s in sets]
-              + ["steps", "wall_s"])
+    notes = not all(run.finished for run in runs)
+    header = (["job"] + axes + [f"acc/{s}" for s in sets] + benchmarks
+              + [f"flip/{s}" for s in sets] + ["steps", "wall_s"] + (["note"] if notes else []))
     rows = []
     for run in runs:
         by_set = {Path(p).stem: m for p, m in run.metrics.get("eval", {}).items()}
         train = run.metrics.get("train", {})
-        rows.append([run.overrides.get(a, "") for a in axes]
+        rows.append([run.path.name] + [run.overrides.get(a, "") for a in axes]
                     + [by_set.get(s, {}).get("accuracy_mean", "") for s in sets]
                     + [_benchmark_figure(run, column) for column in benchmarks]
                     + [_figure(by_set.get(s, {}).get("flip_rate")) for s in sets]
-                    + [train.get("global_step", ""), run.metrics.get("wall_seconds", "")])
+                    + [train.get("global_step", ""), run.metrics.get("wall_seconds", "")]
+                    + ([("" if run.finished else UNFINISHED)] if notes else []))
     return header, rows
 
 
@@ -121,28 +131,31 @@ def csv_text(header: list[str], rows: list[list]) -> str:
     return out.getvalue()
 
 
-def plot(header: list[str], rows: list[list], path: Path, n_axes: int,
-         jobs: list[str] | None = None) -> None:
-    """Grouped bars: one group per setting, one bar per test set's accuracy. A setting with no
-    varied axis (one run left of a sweep whose others failed) is named by its job (`jobs`). The
-    settings and test sets are drawn as `drawable` makes them (report.md keeps them exactly)."""
+def plot(header: list[str], rows: list[list], path: Path, n_axes: int) -> None:
+    """Grouped bars: one group per setting (`table`'s rows: the job, then `n_axes` axes), one bar
+    per test set's accuracy; a value a run lacks has no bar and no figure (not a bar at 0). A
+    setting with no varied axis is named by its job; a job that did not finish is drawn as one,
+    with no bars. The settings and test sets are drawn as `drawable` makes them (report.md keeps
+    them exactly)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sets = [h for h in header if h.startswith("acc/")]
-    jobs = jobs or [str(i) for i in range(len(rows))]
-    labels = [drawable(", ".join(str(v) for v in row[:n_axes]) or f"job {job}")
-              for row, job in zip(rows, jobs)]
+    unfinished = [("note" in header and row[header.index("note")] == UNFINISHED) for row in rows]
+    labels = [drawable(", ".join(str(v) for v in row[1:1 + n_axes]) or f"job {row[0]}")
+              + (f"\njob {row[0]}: no metrics\n(failed or still running)" if failed else "")
+              for row, failed in zip(rows, unfinished)]
     width = 0.8 / max(1, len(sets))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * max(1, len(sets)) * 0.5), 4.2))
     for j, name in enumerate(sets):
         col = header.index(name)
-        values = [row[col] if isinstance(row[col], (int, float)) else 0.0 for row in rows]
+        values = [row[col] if isinstance(row[col], (int, float)) else float("nan") for row in rows]
         xs = [i + (j - (len(sets) - 1) / 2) * width for i in range(len(rows))]
         bars = ax.bar(xs, values, width, label=drawable(name[4:]))
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        ax.bar_label(bars, labels=["" if v != v else f"{v:.2f}" for v in values], fontsize=7,
+                     padding=1)
     if not sets:  # empty axes would look like a plotting failure
         ax.text(0.5, 0.5, "no test-set accuracy: these runs evaluated no data.test_files",
                 ha="center", va="center", transform=ax.transAxes, color="#555")
@@ -159,9 +172,10 @@ def plot(header: list[str], rows: list[list], path: Path, n_axes: int,
 
 
 def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> dict:
-    """report.md, report.csv and report.png in `out_dir` (default: the sweep dir)."""
+    """report.md, report.csv and report.png in `out_dir` (default: the sweep dir); `runs`: the
+    jobs that finished, `unfinished`: those that did not (in the table too)."""
     runs, skipped = read_runs(sweep_dir)
-    if not runs:
+    if not any(run.finished for run in runs):
         raise FileNotFoundError(f"{sweep_dir}: no run with .hydra/overrides.yaml and metrics.json")
     out = Path(out_dir or sweep_dir)
     refuse_file_as_dir(out, "--out is the folder report.md, report.csv and report.png go in")
@@ -169,6 +183,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> di
     header, rows = table(runs)
     (out / "report.md").write_text(markdown(header, rows), encoding="utf-8")
     (out / "report.csv").write_text(csv_text(header, rows), encoding="utf-8")
-    plot(header, rows, out / "report.png", n_axes=len(varied_axes(runs)),
-         jobs=[run.path.name for run in runs])
-    return {"header": header, "rows": rows, "runs": len(runs), "skipped": skipped, "out_dir": str(out)}
+    plot(header, rows, out / "report.png", n_axes=len(varied_axes(runs)))
+    finished = sum(run.finished for run in runs)
+    return {"header": header, "rows": rows, "runs": finished, "unfinished": len(runs) - finished,
+            "skipped": skipped, "out_dir": str(out)}
