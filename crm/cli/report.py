@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from crm.cli.multirun import planned_jobs
 from crm.training.sweeps import read_runs, write_report
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", help="wandb group (default: the sweep dir's name, as crm-train uses)")
     args = p.parse_args(argv)
     try:
-        report = write_report(args.sweep_dir, args.out)
+        report = write_report(args.sweep_dir, args.out, planned_jobs(Path(args.sweep_dir)))
     except (OSError, ValueError) as exc:
         print(f"crm-report: {exc}", file=sys.stderr)
         return 2

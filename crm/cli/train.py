@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from crm.cli.errors import one_line_config_errors
+from crm.cli.multirun import sweep_jobs
 from crm.cli.schema import (PathsConfig, benchmark_config, check_test_files, register_schema,
                             settings)
 from crm.core.errors import ConfigError
@@ -352,9 +353,7 @@ def check_sweep() -> list[tuple[int, list[str], DictConfig]]:
     not exist, not a value its dataclass refuses.) Returns the later jobs (number, overrides,
     config) for `check_later_jobs`; none outside job 0 of a multirun."""
     from hydra import compose
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra._internal.utils import get_args_parser
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from hydra.types import RunMode
 
@@ -364,17 +363,15 @@ def check_sweep() -> list[tuple[int, list[str], DictConfig]]:
     if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.job.num != 0:
         return []
     arguments = get_args_parser().parse_known_args(sys.argv[1:])[0].overrides
-    params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
     try:
-        parsed = OverridesParser.create().parse_overrides(params + list(arguments))
+        jobs = sweep_jobs(hydra_cfg.sweeper.get("params"), arguments)
     except HydraException:
         return []  # not the command line the sweep came from (a launcher's own process)
-    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    if not jobs or sorted(jobs[0]) != sorted(hydra_cfg.overrides.task):
+    task = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith("hydra.")]
+    if not jobs or sorted(jobs[0]) != sorted(task):
         return []  # the same: job 0 of another sweep is no guide to this one
     later = []
-    for number, job in enumerate(jobs[1:], start=1):
-        overrides = [o for o in job if not o.lstrip("+~").startswith("hydra.")]
+    for number, overrides in enumerate(jobs[1:], start=1):
         try:
             job_cfg = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
             settings(job_cfg)

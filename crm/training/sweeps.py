@@ -24,15 +24,22 @@ class Run:
     path: Path
     overrides: dict  # key -> value, as given on the command line / by the sweeper
     metrics: dict  # {} for a job that did not finish
-    finished: bool = True  # whether it wrote metrics.json
+    note: str = ""  # why it has no metrics: UNFINISHED or NOT_STARTED; "" when it finished
+
+    @property
+    def finished(self) -> bool:
+        return not self.note
 
 
 UNFINISHED = "no metrics.json: failed or still running"
+NOT_STARTED = "not started: no run dir (the sweep stopped before it, or it waits)"
 
 
-def read_runs(sweep_dir: str | Path) -> tuple[list[Run], list[str]]:
-    """Runs under `sweep_dir`, those without metrics.json included (`finished` false), and the
-    reason for each of those."""
+def read_runs(sweep_dir: str | Path,
+              planned: list[list[str]] | None = None) -> tuple[list[Run], list[str]]:
+    """Runs under `sweep_dir`, those without metrics.json included (with their `note`), and, of
+    the `planned` jobs (each one's overrides, in job order: crm.cli.multirun.planned_jobs), those
+    that have no run dir yet; and the reason for each run without metrics."""
     runs, skipped = [], []
     for overrides_file in sorted(Path(sweep_dir).glob("**/.hydra/overrides.yaml")):
         run_dir = overrides_file.parent.parent
@@ -40,9 +47,18 @@ def read_runs(sweep_dir: str | Path) -> tuple[list[Run], list[str]]:
         items = yaml.safe_load(overrides_file.read_text()) or []
         if not metrics_file.is_file():
             skipped.append(f"{run_dir}: {UNFINISHED}")
-            runs.append(Run(run_dir, parse_overrides(items), {}, finished=False))
+            runs.append(Run(run_dir, parse_overrides(items), {}, UNFINISHED))
             continue
         runs.append(Run(run_dir, parse_overrides(items), json.loads(metrics_file.read_text())))
+    # Hydra's basic launcher stops a sweep at its first failed job: the later ones never get a
+    # run dir, and only the sweep's own record (multirun.yaml) says they were asked for.
+    if runs and all(run.path.parent == Path(sweep_dir) and run.path.name.isdigit() for run in runs):
+        present = {run.path.name for run in runs}
+        for number, job in enumerate(planned or []):
+            if str(number) not in present:
+                run_dir = Path(sweep_dir) / str(number)
+                skipped.append(f"{run_dir}: {NOT_STARTED}")
+                runs.append(Run(run_dir, parse_overrides(job), {}, NOT_STARTED))
     runs.sort(key=lambda r: _job_number(r.path))
     return runs, skipped
 
@@ -104,7 +120,7 @@ def table(runs: list[Run]) -> tuple[list[str], list[list]]:
                     + [_benchmark_figure(run, column) for column in benchmarks]
                     + [_figure(by_set.get(s, {}).get("flip_rate")) for s in sets]
                     + [train.get("global_step", ""), run.metrics.get("wall_seconds", "")]
-                    + ([("" if run.finished else UNFINISHED)] if notes else []))
+                    + ([run.note] if notes else []))
     return header, rows
 
 
@@ -143,10 +159,12 @@ def plot(header: list[str], rows: list[list], path: Path, n_axes: int) -> None:
     import matplotlib.pyplot as plt
 
     sets = [h for h in header if h.startswith("acc/")]
-    unfinished = [("note" in header and row[header.index("note")] == UNFINISHED) for row in rows]
+    notes = [row[header.index("note")] if "note" in header else "" for row in rows]
     labels = [drawable(", ".join(str(v) for v in row[1:1 + n_axes]) or f"job {row[0]}")
-              + (f"\njob {row[0]}: no metrics\n(failed or still running)" if failed else "")
-              for row, failed in zip(rows, unfinished)]
+              + (f"\njob {row[0]}: {'no metrics' if note == UNFINISHED else 'not started'}"
+                 f"\n({'failed or still running' if note == UNFINISHED else 'no run dir'})"
+                 if note else "")
+              for row, note in zip(rows, notes)]
     width = 0.8 / max(1, len(sets))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * max(1, len(sets)) * 0.5), 4.2))
     for j, name in enumerate(sets):
@@ -171,10 +189,11 @@ def plot(header: list[str], rows: list[list], path: Path, n_axes: int) -> None:
     plt.close(fig)
 
 
-def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> dict:
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
+                 planned: list[list[str]] | None = None) -> dict:
     """report.md, report.csv and report.png in `out_dir` (default: the sweep dir); `runs`: the
     jobs that finished, `unfinished`: those that did not (in the table too)."""
-    runs, skipped = read_runs(sweep_dir)
+    runs, skipped = read_runs(sweep_dir, planned)
     if not any(run.finished for run in runs):
         raise FileNotFoundError(f"{sweep_dir}: no run with .hydra/overrides.yaml and metrics.json")
     out = Path(out_dir or sweep_dir)

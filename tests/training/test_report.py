@@ -201,6 +201,34 @@ def test_a_sweep_whose_other_job_failed_names_the_run_by_its_job_and_says_why_no
     assert "| 1 | keep |" in (root / "report.md").read_text()
 
 
+def test_a_job_the_sweep_never_started_is_named_from_its_multirun_yaml(tmp_path, monkeypatch):
+    """Hydra's basic launcher stops at the first failed job: job 2 has no run dir, and only the
+    sweep's multirun.yaml says it was asked for."""
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "multirun" / "seeds"
+    fake_run(root, 0, ["seed=0"], {"/d/test/a.jsonl": metrics(0.75, 0.0)}, 20, 9.0)
+    (root / "1" / ".hydra").mkdir(parents=True)  # job 1 failed: no metrics.json
+    (root / "1" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["seed=1"]))
+    (root / "multirun.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"overrides": {"hydra": ["hydra.mode=MULTIRUN"], "task": ["seed=0,1,2"]},
+                   "sweeper": {"params": None}}}))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its texts
+    assert report_main([str(root)]) == 0
+    assert (root / "report.md").read_text().splitlines()[2:] == [
+        "| 0 | 0 | 0.7500 | 0.0000 | 20 | 9.0 |  |",
+        "| 1 | 1 |  |  |  |  | no metrics.json: failed or still running |",
+        "| 2 | 2 |  |  |  |  | not started: no run dir (the sweep stopped before it, or it "
+        "waits) |"]
+    (fig,) = figures
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == ["0", "1\njob 1: no metrics\n(failed or still running)",
+                      "2\njob 2: not started\n(no run dir)"]
+    # one figure, job 0's: the jobs without metrics draw no bar at 0 and no "0.00"
+    assert [t.get_text() for t in fig.axes[0].texts if t.get_text()] == ["0.75"]
+
+
 def test_settings_and_test_sets_the_font_cannot_draw_are_stand_ins_in_the_picture(
         tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
