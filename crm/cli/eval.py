@@ -117,7 +117,7 @@ def summary(files: dict) -> str:
         lines.append(f"{Path(path).stem[:20]:>20} {m['n']:>5} {m['accuracy']:>7.4f} "
                      f"{m['accuracy_swapped']:>7.4f} {m['accuracy_mean']:>7.4f} "
                      f"{m['accuracy_both_orders']:>7.4f} {m['flip_rate']:>7.4f} "
-                     f"{m['tie_rate']:>7.4f}"
+                     + (f"{m['tie_rate']:>7.4f}" if m["tie_rate"] is not None else f"{'-':>7}")
                      + (f"  ({m['unscorable']} unscorable)" if m["unscorable"] else "")
                      + (f"  ({m['shortened']} shortened to fit)" if m.get("shortened") else ""))
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from crm.cli.multirun import planned_jobs
 from crm.training.sweeps import read_runs, write_report
 
 
@@ -14,7 +15,7 @@ def log_to_wandb(sweep_dir: Path, report: dict, project: str | None, group: str 
     import wandb
 
     runs, _ = read_runs(sweep_dir)
-    config = runs[0].metrics.get("config") or {}
+    config = next(run.metrics.get("config") or {} for run in runs if run.finished)
     os.environ.setdefault("WANDB_MODE", "offline")
     group = group or sweep_dir.name
     run = wandb.init(project=project or "crm", group=group, job_type="report", name=f"{group}-report",
@@ -36,14 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", help="wandb group (default: the sweep dir's name, as crm-train uses)")
     args = p.parse_args(argv)
     try:
-        report = write_report(args.sweep_dir, args.out)
+        report = write_report(args.sweep_dir, args.out, planned_jobs(Path(args.sweep_dir)))
     except (OSError, ValueError) as exc:
         print(f"crm-report: {exc}", file=sys.stderr)
         return 2
     for reason in report["skipped"]:
-        print(f"skipped {reason}", file=sys.stderr)
+        print(f"not finished: {reason}", file=sys.stderr)
     print((Path(report["out_dir"]) / "report.md").read_text(), end="")
-    print(f"{report['runs']} runs -> {report['out_dir']}/report.{{md,csv,png}}")
+    print(f"{report['runs']} runs"
+          + (f" ({report['unfinished']} more without metrics, named in the table)"
+             if report["unfinished"] else "")
+          + f" -> {report['out_dir']}/report.{{md,csv,png}}")
     if args.wandb:
         print(f"wandb run {log_to_wandb(Path(args.sweep_dir), report, args.project, args.group)}")
     return 0

@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from crm.cli.errors import one_line_config_errors
+from crm.cli.multirun import sweep_jobs
 from crm.cli.schema import (PathsConfig, benchmark_config, check_test_files, register_schema,
                             settings)
 from crm.core.errors import ConfigError
@@ -141,18 +142,12 @@ def train(cfg: DictConfig) -> dict | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run: TrainConfig = settings(cfg)
     check_config(cfg)
-    check_sweep()
+    later_jobs = check_sweep()
     checks.check_trainer(run.trainer)
     log_per_rank()  # before resolve, whose warnings go to each rank's own log
-    benchmarks = read_benchmarks(run)
-    from crm.training.resolve import device_type, resolve, world_size
-
-    resolved = resolve(run)  # before Lightning and the training stack are imported
-    # The data and the files scored after training, checked before Lightning loads (3 s).
-    shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
-    world = world_size(run.trainer)
-    checks.check_data_fits(run, shard_dir, run_dir, world)
-    check_test_files(run.data.test_files, "data.test_files")
+    benchmarks, resolved, shard_dir, world = check_job(run, run_dir)
+    check_later_jobs(later_jobs, run_dir)
+    from crm.training.resolve import device_type
 
     import lightning as L
     import torch
@@ -313,15 +308,52 @@ def log_per_rank() -> None:
         root.addHandler(own)
 
 
-def check_sweep() -> None:
+def check_job(run: TrainConfig, run_dir: Path) -> tuple[list[Benchmark], Any, Path, int]:
+    """What a run checks before Lightning loads (3 s) and anything trains: the benchmarks, the
+    automatic choices (`resolve`), the data against the settings (README-format records under a
+    direction that needs the losing side's criteria included) and the test files. Returns the
+    benchmarks, the resolved choices, the shard dir and the world size."""
+    from crm.training.resolve import resolve, world_size
+
+    benchmarks = read_benchmarks(run)
+    resolved = resolve(run)  # before Lightning and the training stack are imported
+    shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
+    world = world_size(run.trainer)
+    checks.check_data_fits(run, shard_dir, run_dir, world,
+                           transform_config(run, resolved.accumulation))
+    check_test_files(run.data.test_files, "data.test_files")
+    return benchmarks, resolved, shard_dir, world
+
+
+def check_later_jobs(jobs: list[tuple[int, list[str], DictConfig]], run_dir: Path) -> None:
+    """Job 0 of a multirun runs every later job's `check_job` before it trains: a refusal that
+    depends on the data (README-format shards with direction=random) stops the sweep in seconds,
+    naming its job, not after job 0 has trained. Their warnings and notes are left to each job's
+    own run (here they would read as job 0's)."""
+    from crm.core.records import RecordError
+
+    logging.disable(logging.WARNING)
+    try:
+        for number, overrides, job_cfg in jobs:
+            try:
+                job = settings(job_cfg)
+                checks.check_trainer(job.trainer)
+                check_job(job, run_dir)
+            except (ConfigError, RecordError) as exc:
+                raise ConfigError(f"sweep job {number} ({' '.join(overrides)}), checked before "
+                                  f"job 0 trains: {exc}") from None
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def check_sweep() -> list[tuple[int, list[str], DictConfig]]:
     """A multirun's first job composes and checks every job's config as its own was: a typo in a
     plain sweep value (`transform.ties=drop,kepp`) stops the sweep before job 0 trains, not after.
     (Hydra's sweeper composes each job before it runs it, which finds a key or group that does
-    not exist, not a value its dataclass refuses.)"""
+    not exist, not a value its dataclass refuses.) Returns the later jobs (number, overrides,
+    config) for `check_later_jobs`; none outside job 0 of a multirun."""
     from hydra import compose
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra._internal.utils import get_args_parser
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from hydra.types import RunMode
 
@@ -329,18 +361,17 @@ def check_sweep() -> None:
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.job.num != 0:
-        return
+        return []
     arguments = get_args_parser().parse_known_args(sys.argv[1:])[0].overrides
-    params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
     try:
-        parsed = OverridesParser.create().parse_overrides(params + list(arguments))
+        jobs = sweep_jobs(hydra_cfg.sweeper.get("params"), arguments)
     except HydraException:
-        return  # not the command line the sweep came from (a launcher's own process)
-    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    if not jobs or sorted(jobs[0]) != sorted(hydra_cfg.overrides.task):
-        return  # the same: job 0 of another sweep is no guide to this one
-    for number, job in enumerate(jobs[1:], start=1):
-        overrides = [o for o in job if not o.lstrip("+~").startswith("hydra.")]
+        return []  # not the command line the sweep came from (a launcher's own process)
+    task = [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith("hydra.")]
+    if not jobs or sorted(jobs[0]) != sorted(task):
+        return []  # the same: job 0 of another sweep is no guide to this one
+    later = []
+    for number, overrides in enumerate(jobs[1:], start=1):
         try:
             job_cfg = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
             settings(job_cfg)
@@ -349,6 +380,8 @@ def check_sweep() -> None:
             reason = describe_hydra_error(exc) if isinstance(exc, HydraException) else exc
             raise ConfigError(f"sweep job {number} ({' '.join(overrides)}), checked before job 0 "
                               f"trains: {reason}") from None
+        later.append((number, overrides, job_cfg))
+    return later
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -36,6 +36,11 @@ class Manifest:
     criteria_pool: CriteriaPool | None
     raw: dict
 
+    @property
+    def one_sided(self) -> bool:
+        """Whether any shard holds README-format records (only the preferred side's criteria)."""
+        return any(s.one_sided for shards in self.splits.values() for s in shards)
+
     def shards(self, split: str) -> list[ShardInfo]:
         if split not in self.splits:
             raise ValueError(f"{posixpath.join(self.root, MANIFEST)}: no split {split!r}; "

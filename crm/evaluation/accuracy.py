@@ -14,6 +14,11 @@ from crm.inference.scorer import unswap
 VERDICT_NAMES = {LABEL_A: "model_a", LABEL_B: "model_b", LABEL_TIE: "tie", None: "score_tie"}
 
 
+def verdict_name(probs: list[float]) -> str:
+    """A prediction's verdict; "unscorable" (not a score tie) for a pair too long to fit."""
+    return "unscorable" if any(p != p for p in probs) else VERDICT_NAMES[verdict(probs)]
+
+
 def _rate(xs: list[bool]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
@@ -26,9 +31,12 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
     `accuracy_both_orders` judges the averaged probabilities (the scorer's `both_orders`). The
     flip rate is the share of records whose verdict changes when A and B are swapped (a
     position-biased judge flips); the tie rate the share of verdicts, in both orders, that are a
-    score tie or the tie class.
+    score tie or the tie class, among the pairs that could be scored (an unscorable pair, too
+    long to fit, has no verdict: it is counted `unscorable` and wrong, not a tie).
     """
     n = len(labels)
+    scorable = [not bool(torch.isnan(g).any() or torch.isnan(s).any())
+                for g, s in zip(given, swapped)]
     v_given = [verdict(p.tolist()) for p in given]
     v_swapped = [verdict(p.tolist()) for p in swapped]
     ok_given = [v == y for v, y in zip(v_given, labels)]
@@ -41,7 +49,8 @@ def accuracy_metrics(labels: list[int], given: torch.Tensor, swapped: torch.Tens
         "accuracy_mean": _rate(ok_given + ok_swapped),
         "accuracy_both_orders": _rate(ok_both),
         "flip_rate": _rate([a != b for a, b in zip(v_given, v_swapped)]),
-        "tie_rate": _rate([v in (None, LABEL_TIE) for v in v_given + v_swapped]),
+        "tie_rate": _rate([v in (None, LABEL_TIE) for v, ok in zip(v_given + v_swapped, scorable * 2)
+                           if ok]),
         "gold_ties": sum(y == LABEL_TIE for y in labels),
         "unscorable": int(torch.isnan(given[:, 0]).sum()),  # too long to fit; counted as wrong
     }
@@ -76,8 +85,7 @@ def evaluate_records(scorer, records: Sequence[TestRecord]) -> tuple[dict, list[
     predictions = [
         {"idx": r.idx, "topic": r.topic, "preference": r.preference,
          "p_given": [round(x, 6) for x in g.tolist()], "p_swapped": [round(x, 6) for x in s.tolist()],
-         "verdict": VERDICT_NAMES[verdict(g.tolist())],
-         "verdict_swapped": VERDICT_NAMES[verdict(s.tolist())]}
+         "verdict": verdict_name(g.tolist()), "verdict_swapped": verdict_name(s.tolist())}
         for r, g, s in zip(records, given, swapped)
     ]
     return metrics, predictions

@@ -16,6 +16,7 @@ given simultaneous intervals.
 Benchmark lines that cannot be used are never skipped silently: a line that does not parse, or that
 lacks the baseline's or a ranked model's response, is rejected for every model (so all models are
 ranked on the same examples) and listed with file, line, field and reason; lines read = used +
+left out (queries whose pairs cannot fit the CRM's tokens, under the user's criteria) +
 rejected + outside the selected topics.
 """
 from __future__ import annotations
@@ -405,9 +406,11 @@ class Board:
     both_orders: bool = False
     slot_bias: dict | None = None
     unscorable: dict | None = None  # pairs too long to fit, their queries left out (`judge`)
+    used: int = 0  # the queries it ranks on: the selection's, less those left out
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "criteria": list(self.criteria), "rows": self.rows,
+        return {"label": self.label, "criteria": list(self.criteria), "used": self.used,
+                "rows": self.rows,
                 "interval_method": self.method,
                 "assumes": PPI_ASSUMES if self.method == "ppi" else CRM_IS_USER,
                 "both_orders": self.both_orders, "slot_bias": self.slot_bias,
@@ -442,7 +445,18 @@ def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "cr
                     len(unfit), len(queries), scorer.encoder.max_tokens, ", ".join(unfit[:5]))
     return Board(label, tuple(criteria),
                  win_rates(outcomes, selection.models, selection.topics, interval, votes),
-                 interval_method(interval, votes), both_orders, bias, unscorable)
+                 interval_method(interval, votes), both_orders, bias, unscorable,
+                 len(selection.records) - (unscorable["queries"] if unscorable else 0))
+
+
+def examples_counts(selection: Selection, boards: Sequence[Board]) -> dict:
+    """The selection's counts with the first (the user's) board's left-out queries taken out of
+    `used`, so that read = used + left_out + rejected + outside_topics and `used` is its rows'
+    n. A contrast board that leaves out another number says so in its own `used`."""
+    counts = dict(selection.counts)
+    counts["left_out"] = counts["used"] - boards[0].used
+    counts["used"] = boards[0].used
+    return counts
 
 
 def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
@@ -469,7 +483,7 @@ def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
                            replace(interval, method="bootstrap"), slot_sample=slot_sample))
     out = {"bench": selection.path, "baseline": selection.baseline,
            "topics": list(selection.topics), "models": list(selection.models),
-           "both_orders": both_orders, "examples": selection.counts,
+           "both_orders": both_orders, "examples": examples_counts(selection, boards),
            "interval": interval_doc(interval, boards[0].method),
            "votes": None if votes is None else votes.counts,
            "rejects": list(selection.rejects), "boards": [b.as_dict() for b in boards]}

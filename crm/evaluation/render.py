@@ -76,15 +76,25 @@ def rate_with_interval(cell: dict) -> str:
     return f"{_pct(cell['win_rate'])} {interval(cell)}".rstrip()
 
 
+def left_out_words(counts: dict) -> str:
+    """The first board's queries left out as too long, as the header's first count; "" for none."""
+    n = counts.get("left_out", 0)
+    return f"{n} left out: too long for the CRM's tokens, " if n else ""
+
+
 def markdown(result: dict) -> str:
     """Tables like the reference leaderboard: model, Overall, one column per topic (win rate %),
     each with its interval, and LMArena's rank upper bound beside the rank."""
     topics = result["topics"]
     counts = result["examples"]
     level = result.get("interval", {}).get("level", 0.95)
+    shortened = result.get("sequences", {}).get("shortened", 0)
     lines = [f"Baseline: `{result['baseline']}` · {counts['used']} examples used "
-             f"({counts['rejected']} rejected, {counts['outside_topics']} outside the selected "
-             f"topics, {counts['read']} read) · win rate (%) against the baseline with its "
+             f"({left_out_words(counts)}{counts['rejected']} rejected, {counts['outside_topics']} "
+             f"outside the selected topics, {counts['read']} read)"
+             + (f" · {shortened} prompts had responses shortened to fit the CRM's tokens "
+                "(judged on their start and end)" if shortened else "")
+             + " · win rate (%) against the baseline with its "
              f"{100 * level:.0f}% interval (-x / +y); Overall is micro-averaged over "
              f"the examples; Rank (UB): 1 + the models whose interval lies wholly above; Rank set: "
              f"the ranks a model can hold at {100 * level:.0f}% (simultaneous intervals)"
@@ -105,7 +115,8 @@ def markdown(result: dict) -> str:
         if board.get("unscorable"):
             u = board["unscorable"]
             lines.append(f"**{u['queries']} queries left out for every model: {u['pairs']} pairs "
-                         f"cannot fit the CRM's tokens (first: {', '.join(u['first'])})**")
+                         f"cannot fit the CRM's tokens (first: {', '.join(u['first'])}); "
+                         f"{board['used']} examples used by this board**")
         lines.append("")
         head = (["Rank", "Rank (UB)", "Rank set", "Model", "Overall", f"{100 * level:.0f}% CI"]
                 + (["Votes"] if board.get("interval_method") == "ppi" else [])
@@ -267,6 +278,9 @@ def _plot_note(board: dict) -> str:
     slot = "; verdicts follow the slot" if bias and bias["biased"] else ""
     # Which orders were judged: one order lets a slot-biased CRM decide the board.
     slot += "; both orders averaged" if board.get("both_orders") else "; baseline in slot A only"
+    if board.get("unscorable"):
+        slot += (f"; {board['unscorable']['queries']} queries left out (too long), "
+                 f"{board['used']} used")
     if board.get("interval_method") == "ppi":
         votes = sum(r["overall"].get("votes", 0) for r in board["rows"])
         return f"{board['label']}: PPI intervals, {votes} of the user's votes{slot}"

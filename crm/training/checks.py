@@ -17,6 +17,9 @@ from pathlib import Path
 
 from crm.core.errors import ConfigError
 
+if typing.TYPE_CHECKING:
+    from crm.data.transforms import TransformConfig
+
 log = logging.getLogger(__name__)
 
 # Trainer arguments crm-train sets itself, and the key that sets each.
@@ -210,15 +213,21 @@ def check_attention(attention: str, compiled: bool) -> None:
         raise ConfigError(f"model.{exc}") from None
 
 
-def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int) -> None:
+def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
+                    transform: TransformConfig | None = None) -> None:
     """Before the tokenizer is trained on them: shards with no training record, or with fewer
-    validation records than ranks in a run that validates, are refused; a global batch larger
+    validation records than ranks in a run that validates, or README-format records under a
+    `transform` whose direction needs the losing side's criteria (read from the manifest, so
+    refused in seconds, not after the tokenizer), are refused; a global batch larger
     than the data, a validation split too small to mean anything, a curriculum warm-up as long as
     the run, validation or save intervals past the run's last step and a run dir that will be
     resumed are one warning line each."""
     from crm.data.manifest import load_manifest
+    from crm.data.transforms import check_one_sided
 
     manifest = load_manifest(shard_dir)
+    if transform is not None and manifest.one_sided:
+        check_one_sided(transform)
     keep_ties = run.transform.ties == "keep"
     train, val = ({} if split not in manifest.splits else manifest.splits[split]
                   for split in ("train", "val"))

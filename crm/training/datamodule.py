@@ -34,7 +34,7 @@ class CRMDataModule(L.LightningDataModule):
                  val_split: str = "val", step_batches: int = 1):
         super().__init__()
         self.manifest = load_manifest(path)
-        if any(s.one_sided for shards in self.manifest.splits.values() for s in shards):
+        if self.manifest.one_sided:
             check_one_sided(transform)  # here, at start: the loaders are built inside fit
         self.tokenizer, self.stream, self.transform = tokenizer, stream, transform
         self.val_split, self.step_batches = val_split, step_batches  # micro batches per optimizer step

@@ -217,6 +217,28 @@ def test_a_sweep_value_that_cannot_work_stops_the_sweep_before_job_0_trains(root
     assert not list(root.rglob("*.ckpt")) and not (root / ".cache").exists()  # nothing trained
 
 
+def test_a_sweep_job_the_data_refuses_stops_the_sweep_before_job_0_trains(root, capsys,
+                                                                         monkeypatch):
+    """README-format shards (criteria + preference) with direction=random in job 1: refused from
+    the manifest in job 0's checks, naming job 1, before any tokenizer or step."""
+    rows = []
+    for i in range(10):
+        record = train_dict(f"k{i}")
+        rows.append({"idx": i, "prompt": f"question k{i}", "model_a": record["model_a"],
+                     "model_b": record["model_b"], "criteria": [f"criterion {i}"],
+                     "preference": "model_a"})
+    shards = root / "shards"
+    assert crm_data(["shard", str(write_jsonl(root / "readme.jsonl", rows)), str(shards),
+                     "--val-fraction", "0.2"]) == 0
+    capsys.readouterr()
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "-m", "data=shards",
+                   f"data.path={shards}", "direction=original,random", "trainer.max_steps=1")
+    assert line.startswith(f"crm-train: sweep job 1 (data=shards data.path={shards} "
+                           "direction=random trainer.max_steps=1), checked before job 0 trains: "
+                           "transform direction='random' shows the losing side's criteria")
+    assert not list(root.rglob("tokenizer*")) and not list(root.rglob("*.ckpt"))
+
+
 def test_files_of_different_topic_tables_are_not_sharded_together(tmp_path, capsys):
     from data_tools.topics import topics
 

@@ -13,7 +13,7 @@ from crm.cli.eval import evaluate, summary
 from crm.core.records import load_records
 from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE
 from crm.core.examples import verdict
-from crm.evaluation.accuracy import accuracy_metrics, evaluate_files, evaluate_records
+from crm.evaluation.accuracy import accuracy_metrics, evaluate_files, evaluate_records, verdict_name
 
 NAN = float("nan")
 
@@ -51,8 +51,9 @@ def test_accuracy_arithmetic_on_hand_made_predictions():
     assert m["accuracy_swapped"] == round(3 / 6, 4)
     assert m["accuracy_mean"] == round(7 / 12, 4)
     assert m["flip_rate"] == round(3 / 6, 4)
-    # score ties and tie verdicts, over the 12 verdicts: given rows 1, 4, 5 and swapped row 5
-    assert m["tie_rate"] == round(4 / 12, 4)
+    # score ties and tie verdicts (given rows 1, 4) over the 10 verdicts of the scorable rows:
+    # the unscorable row 5 is no tie (crm-eval once showed its two verdicts as ties)
+    assert m["tie_rate"] == round(2 / 10, 4)
     # averaged orders: rows 0-3 right; row 4 averages to (0.35, 0.3, 0.35), a score tie; row 5 NaN
     assert m["accuracy_both_orders"] == round(4 / 6, 4)
     assert m["by_topic"] == {
@@ -66,6 +67,13 @@ def test_no_topic_breakdown_without_topics():
     m = accuracy_metrics([LABEL_A], torch.tensor([[0.9, 0.1, 0.0]]), torch.tensor([[0.9, 0.1, 0.0]]),
                          [None])
     assert "by_topic" not in m and m["accuracy"] == 1.0 and m["flip_rate"] == 0.0
+
+
+def test_an_unscorable_pair_is_no_tie():
+    nan = torch.tensor([[NAN, NAN, NAN]])
+    m = accuracy_metrics([LABEL_A], nan, nan, [None])
+    assert m["unscorable"] == 1 and m["accuracy"] == 0.0 and m["tie_rate"] is None
+    assert verdict_name([NAN, NAN, NAN]) == "unscorable" and verdict_name([0.5, 0.5, 0]) == "score_tie"
 
 
 def write_test_file(tmp_path, name="test.jsonl", n=6):

@@ -386,6 +386,15 @@ def test_a_board_leaves_out_a_query_too_long_to_fit_for_every_model_and_counts_i
     assert [r["overall"]["n"] for r in board["rows"]] == [1, 1]
     assert ("1 queries left out for every model: 1 pairs cannot fit the CRM's tokens (first: 0/m2)"
             in markdown(doc))
+    # counts in = counts out: the header's used is the rows' n, the left-out query counted beside
+    counts = doc["examples"]
+    assert counts == {"read": 2, "used": 1, "left_out": 1, "rejected": 0, "outside_topics": 0}
+    assert board["used"] == 1
+    assert ("1 examples used (1 left out: too long for the CRM's tokens, 0 rejected, 0 outside the "
+            "selected topics, 2 read)" in markdown(doc))
+    # prompts shortened to fit are said where the user reads (crm-leaderboard prints the markdown)
+    doc["sequences"] = {"shortened": 3}
+    assert "3 prompts had responses shortened to fit the CRM's tokens" in markdown(doc)
     only_long = write_bench(tmp_path / "long.jsonl", [
         bench_line(0, "t", {"base": "alpha", "m1": turns, "m2": turns})])
     with pytest.raises(ConfigError, match="no benchmark query fits in 300 tokens under the "

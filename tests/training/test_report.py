@@ -42,18 +42,22 @@ def sweep(tmp_path) -> Path:
     fake_run(root, 10, ["experiment=cpu_loss", "loss=ranking", "seed=1"],
              {"/d/test/contradictory.jsonl": metrics(0.5, 0.1)}, 20, 9.0)
     (root / "2" / ".hydra").mkdir(parents=True)
-    (root / "2" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["loss=cls", "seed=2"]))
+    (root / "2" / ".hydra" / "overrides.yaml").write_text(
+        yaml.safe_dump(["experiment=cpu_loss", "loss=cls", "seed=2"]))
     return root
 
 
 def test_table_has_the_varied_axes_and_every_test_set(sweep):
     runs, skipped = read_runs(sweep)
     header, rows = table(runs)
-    assert header == ["loss", "seed", "acc/contradictory", "acc/in_distribution", "flip/contradictory",
-                      "flip/in_distribution", "steps", "wall_s"]
-    assert rows == [["cls", "", 0.98, 0.99, 0.02, 0.0, 700, 250.5],
-                    ["ranking", "", 0.9, 0.95, 0.0, 0.0, 700, 301.0],
-                    ["ranking", "1", 0.5, "", 0.1, "", 20, 9.0]]
+    assert header == ["job", "loss", "seed", "acc/contradictory", "acc/in_distribution",
+                      "flip/contradictory", "flip/in_distribution", "steps", "wall_s", "note"]
+    # the job that failed is a row of its own, named, with its axes and no figures
+    failed = "no metrics.json: failed or still running"
+    assert rows == [["0", "cls", "", 0.98, 0.99, 0.02, 0.0, 700, 250.5, ""],
+                    ["1", "ranking", "", 0.9, 0.95, 0.0, 0.0, 700, 301.0, ""],
+                    ["2", "cls", "2", "", "", "", "", "", "", failed],
+                    ["10", "ranking", "1", 0.5, "", 0.1, "", 20, 9.0, ""]]
     assert len(skipped) == 1 and "no metrics.json" in skipped[0]
 
 
@@ -71,26 +75,31 @@ def test_cli_writes_markdown_csv_and_plot(sweep, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to measure its parts
     assert report_main([str(sweep)]) == 0
     assert (sweep / "report.md").read_text() == (
-        "| loss | seed | acc/contradictory | acc/in_distribution | flip/contradictory "
-        "| flip/in_distribution | steps | wall_s |\n"
-        "|---|---|---|---|---|---|---|---|\n"
-        "| cls |  | 0.9800 | 0.9900 | 0.0200 | 0.0000 | 700 | 250.5 |\n"
-        "| ranking |  | 0.9000 | 0.9500 | 0.0000 | 0.0000 | 700 | 301.0 |\n"
-        "| ranking | 1 | 0.5000 |  | 0.1000 |  | 20 | 9.0 |\n")
-    assert (sweep / "report.csv").read_text().splitlines()[1] == "cls,,0.98,0.99,0.02,0.0,700,250.5"
+        "| job | loss | seed | acc/contradictory | acc/in_distribution | flip/contradictory "
+        "| flip/in_distribution | steps | wall_s | note |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| 0 | cls |  | 0.9800 | 0.9900 | 0.0200 | 0.0000 | 700 | 250.5 |  |\n"
+        "| 1 | ranking |  | 0.9000 | 0.9500 | 0.0000 | 0.0000 | 700 | 301.0 |  |\n"
+        "| 2 | cls | 2 |  |  |  |  |  |  | no metrics.json: failed or still running |\n"
+        "| 10 | ranking | 1 | 0.5000 |  | 0.1000 |  | 20 | 9.0 |  |\n")
+    assert (sweep / "report.csv").read_text().splitlines()[:2] == [
+        "job,loss,seed,acc/contradictory,acc/in_distribution,flip/contradictory,"
+        "flip/in_distribution,steps,wall_s,note", "0,cls,,0.98,0.99,0.02,0.0,700,250.5,"]
     assert (sweep / "report.png").stat().st_size > 5000
-    assert "3 runs" in capsys.readouterr().out
+    assert "3 runs (1 more without metrics, named in the table)" in capsys.readouterr().out
     (fig,) = figures
     (ax,) = fig.axes
     renderer = fig.canvas.get_renderer()
     legend = ax.get_legend().get_window_extent(renderer)
     bars = [bar.get_window_extent(renderer) for bar in ax.patches] + [
-        text.get_window_extent(renderer) for text in ax.texts]  # the bars' figures
-    assert len(bars) == 2 * 6 and not any(legend.overlaps(bar) for bar in bars)  # it sat on them
-    # which setting is which: the axis is named, an unset one is "-", a set not evaluated "n/a"
+        text.get_window_extent(renderer) for text in ax.texts if text.get_text()]  # the bars' figures
+    assert len(ax.patches) == 2 * 4 and not any(legend.overlaps(bar) for bar in bars)  # it sat on them
+    # which setting is which: the axis is named, an unset one is "-", a set a finished run did not
+    # evaluate "n/a", a job without metrics named and drawn without bars or figures
     assert ax.get_xlabel() == "loss, seed (-: the config's value)"
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["cls, -", "ranking, -", "ranking, 1"]
-    assert [t.get_text() for t in ax.texts] == ["0.98", "0.90", "0.50", "0.99", "0.95", "n/a"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "cls, -", "ranking, -", "cls, 2\njob 2: no metrics\n(failed or still running)", "ranking, 1"]
+    assert [t.get_text() for t in ax.texts] == ["0.98", "0.90", "", "0.50", "0.99", "0.95", "", "n/a"]
 
 
 def test_cli_on_a_dir_without_runs_fails_cleanly(tmp_path, capsys):
@@ -180,12 +189,12 @@ def test_a_cpu_sweep_reports_the_benchmarks_its_runs_scored(demo_root, tmp_path)
     (sweep / "1" / "metrics.json").write_text(json.dumps(other))
     header, rows = table(read_runs(sweep)[0])
     start = header.index("pairs/accuracy")  # after the axis and the demo's test sets
-    assert header[0] == "loss" and header[start - 1].startswith("acc/")
+    assert header[:2] == ["job", "loss"] and header[start - 1].startswith("acc/")
     assert header[start:start + 7] == ["pairs/accuracy", "pairs/x", "pairs/y",
                                        "rmbench/total_avg_acc", "rmbench/hard_acc",
                                        "rmbench/normal_acc", "rmbench/easy_acc"]
     assert rows[0][start] == round(pairs["accuracy"], 4)
-    assert rows[1][0] == "ranking" and rows[1][start:start + 4] == [0.25, 0.0, "", ""]
+    assert rows[1][:2] == ["1", "ranking"] and rows[1][start:start + 4] == [0.25, 0.0, "", ""]
 
 
 def test_a_sweep_whose_other_job_failed_names_the_run_by_its_job_and_says_why_no_bars(
@@ -201,9 +210,40 @@ def test_a_sweep_whose_other_job_failed_names_the_run_by_its_job_and_says_why_no
     assert report_main([str(root)]) == 0
     (fig,) = figures
     (ax,) = fig.axes
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["job 0"]  # it read "run 0"
+    # the failed job is drawn too, named (it once drew as if only job 0 existed)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "drop", "keep\njob 1: no metrics\n(failed or still running)"]
     assert [t.get_text() for t in ax.texts] == [
         "no test-set accuracy: these runs evaluated no data.test_files"]
+    assert "| 1 | keep |" in (root / "report.md").read_text()
+
+
+def test_a_job_the_sweep_never_started_is_named_from_its_multirun_yaml(tmp_path, monkeypatch):
+    """Hydra's basic launcher stops at the first failed job: job 2 has no run dir, and only the
+    sweep's multirun.yaml says it was asked for."""
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "multirun" / "seeds"
+    fake_run(root, 0, ["seed=0"], {"/d/test/a.jsonl": metrics(0.75, 0.0)}, 20, 9.0)
+    (root / "1" / ".hydra").mkdir(parents=True)  # job 1 failed: no metrics.json
+    (root / "1" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["seed=1"]))
+    (root / "multirun.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"overrides": {"hydra": ["hydra.mode=MULTIRUN"], "task": ["seed=0,1,2"]},
+                   "sweeper": {"params": None}}}))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its texts
+    assert report_main([str(root)]) == 0
+    assert (root / "report.md").read_text().splitlines()[2:] == [
+        "| 0 | 0 | 0.7500 | 0.0000 | 20 | 9.0 |  |",
+        "| 1 | 1 |  |  |  |  | no metrics.json: failed or still running |",
+        "| 2 | 2 |  |  |  |  | not started: no run dir (the sweep stopped before it, or it "
+        "waits) |"]
+    (fig,) = figures
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == ["0", "1\njob 1: no metrics\n(failed or still running)",
+                      "2\njob 2: not started\n(no run dir)"]
+    # one figure, job 0's: the jobs without metrics draw no bar at 0 and no "0.00"
+    assert [t.get_text() for t in fig.axes[0].texts if t.get_text()] == ["0.75"]
 
 
 def test_settings_and_test_sets_the_font_cannot_draw_are_stand_ins_in_the_picture(
