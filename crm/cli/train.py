@@ -165,6 +165,13 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.module import CRMModule
     from crm.training.trainer import AgreedResume, leave_process_group, make_trainer, resolve_resume
 
+    if not sys.stderr.isatty():
+        # transformers' bars (loading and writing weights) redraw with carriage returns: in a
+        # job's log file they are noise between the log lines. Lightning's bar is the config's
+        # (trainer.enable_progress_bar).
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     # One process decides its resume here, before the tokenizer is trained into the run dir; ranks
     # agree on theirs inside fit (AgreedResume). Either refuses another data set's checkpoint.
     resume = resolve_resume(run.resume, run_dir, run.data.path) if world == 1 else None

@@ -261,9 +261,13 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monk
     from crm.models.heads import last_token_logits
     from crm.inference.scorer import CRMScorer
 
+    from transformers.utils import logging as hf_logging
+
     run_dir = tmp_path / "run"
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the curves' figure to read it
+    monkeypatch.setattr(hf_logging, "disable_progress_bar", lambda: figures.append("no hf bars"))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a batch job's log, also under -s
     # Evaluation refuses a test pair that cannot fit: 384 tokens fit every demo pair.
     metrics = run_train(demo_root, run_dir, f"loss={loss}", "trainer.max_steps=4",
                         "val_every_n_steps=2", "stream.max_tokens=384", "logger=csv",
@@ -284,7 +288,8 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monk
     assert {"train/loss", "val/loss", "step"} <= set(header)
     assert (run_dir / "csv" / "curves.png").stat().st_size > 10_000  # the curves beside the CSV
     # drawn at the optimizer steps taken (val after 2 and 4), the CSV's step being one less
-    (fig,) = figures
+    assert figures[0] == "no hf bars"
+    (fig,) = figures[1:]
     curves = {line.get_label(): list(line.get_xdata()) for ax in fig.axes
               for line in ax.get_lines() if not line.get_label().startswith("_")}
     assert curves == {"train": [1, 2, 3, 4], "val": [2, 4]}
