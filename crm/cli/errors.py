@@ -13,20 +13,21 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from crm.core.errors import ConfigError
+from crm.core.errors import ConfigError, ShardError
 from crm.core.records import RecordError
 
 
 def one_line_config_errors(task):
-    """Wraps a Hydra task: a ConfigError (a setting that cannot work) or a RecordError (a bad line
-    of an input file) is printed as one line and exits 2; Hydra would print it inside a traceback.
+    """Wraps a Hydra task: a ConfigError (a setting that cannot work), a RecordError (a bad line
+    of an input file) or a ShardError (a shard that cannot be read) is printed as one line and
+    exits 2; Hydra would print it inside a traceback.
     Real crashes keep theirs."""
     @functools.wraps(task)
     def run(cfg: DictConfig):
         _task_started.append(task.__name__)
         try:
             return task(cfg)
-        except (ConfigError, RecordError) as exc:
+        except (ConfigError, RecordError, ShardError) as exc:
             print(f"{Path(sys.argv[0]).name}: {exc}", file=sys.stderr)
             sys.exit(2)
     return run

@@ -27,8 +27,10 @@ def check_out_dir(out: Path, checkpoint: str, overwrite: bool) -> None:
     allow = "export into a new or empty OUT_DIR, or --overwrite to write over it"
     if out.is_dir() and any(out.iterdir()):
         refuse_foreign(out, out / META, "crm-export", allow)
-    refuse_replacing(out / META, {"checkpoint": checkpoint},
-                     lambda before: {"checkpoint": before.get("source")}, allow)
+    # compared as files, not as strings: the checkpoint named by a relative path is the same one
+    same_file = lambda path: str(Path(path).resolve()) if path else path  # noqa: E731
+    refuse_replacing(out / META, {"checkpoint": same_file(checkpoint)},
+                     lambda before: {"checkpoint": same_file(before.get("source"))}, allow)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
                         "are no export (refused without it)")
     args = p.parse_args(argv)
     from crm.models.checkpoint import export_checkpoint  # torch: after --help and argparse's refusals
+
+    if not sys.stderr.isatty():  # transformers' "Writing model shards" bar, in a log file
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
     try:
         check_out_dir(Path(args.out_dir), args.checkpoint, args.overwrite)

@@ -1,8 +1,12 @@
-"""ConfigError: a setting that cannot work. The entry points report it as one line and exit 2;
-anything else is a crash and keeps its traceback."""
+"""ConfigError: a setting that cannot work; ShardError: a training shard that cannot be read. The
+entry points report them as one line and exit 2; anything else is a crash and keeps its traceback."""
 
 
 class ConfigError(ValueError):
+    pass
+
+
+class ShardError(ValueError):
     pass
 
 

@@ -12,13 +12,10 @@ from collections.abc import Iterator
 
 import webdataset as wds
 
+from crm.core.errors import ShardError
 from crm.core.records import parse_train
 
 JSON_EXT = "json"
-
-
-class ShardError(ValueError):
-    pass
 
 
 def split_member(name: str) -> tuple[str, str]:

@@ -33,7 +33,8 @@ from crm.data.epoch_plan import RankPlan, plan_rank
 from crm.data.manifest import ShardInfo
 from crm.data.packing import pack, split_shared
 from crm.data.padding import pad_rows
-from crm.data.reader import ShardError, iter_shard_raw, load_member
+from crm.core.errors import ShardError
+from crm.data.reader import iter_shard_raw, load_member
 from crm.data.transforms import CriteriaPool, TransformConfig, check_one_sided, record_rng, train_example
 
 class Encoded(NamedTuple):

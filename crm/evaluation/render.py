@@ -92,7 +92,7 @@ def markdown(result: dict) -> str:
     lines = [f"Baseline: `{result['baseline']}` · {counts['used']} examples used "
              f"({left_out_words(counts)}{counts['rejected']} rejected, {counts['outside_topics']} "
              f"outside the selected topics, {counts['read']} read)"
-             + (f" · {shortened} prompts had responses shortened to fit the CRM's tokens "
+             + (f" · {shortened} prompt(s) had responses shortened to fit the CRM's tokens "
                 "(judged on their start and end)" if shortened else "")
              + " · win rate (%) against the baseline with its "
              f"{100 * level:.0f}% interval (-x / +y); Overall is micro-averaged over "

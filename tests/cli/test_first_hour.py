@@ -86,6 +86,19 @@ def test_shards_without_a_training_record_are_refused_in_one_line(root, capsys, 
     line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "data=shards",
                    f"data.path={root / 'shards'}")
     assert "0 training records" in line and "rejects.jsonl" in line
+    tar = root / "cut" / "train-000000.tar"
+    write_shard_dir(tar.parent, [make_records(8)])
+    tar.write_bytes(tar.read_bytes()[:1500])  # a copy cut short
+    # found by the stream once training started (its log lines before it): a ShardError, exit 2,
+    # no traceback (the cut lands mid-record: fewer records than the manifest's)
+    monkeypatch.setattr(sys, "argv", ["crm-train", "data=shards", f"data.path={tar.parent}",
+                                      "+trainer.limit_val_batches=0", "name=cut"])
+    with pytest.raises(SystemExit) as exit_info:
+        crm.cli.train.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"crm-train: {tar}: 1 eligible records, the manifest "
+                                            "promised 8 or more")
 
 
 def test_crm_eval_lists_every_bad_record_before_loading_the_model(root, capsys, monkeypatch):

@@ -394,7 +394,7 @@ def test_a_board_leaves_out_a_query_too_long_to_fit_for_every_model_and_counts_i
             "selected topics, 2 read)" in markdown(doc))
     # prompts shortened to fit are said where the user reads (crm-leaderboard prints the markdown)
     doc["sequences"] = {"shortened": 3}
-    assert "3 prompts had responses shortened to fit the CRM's tokens" in markdown(doc)
+    assert "3 prompt(s) had responses shortened to fit the CRM's tokens" in markdown(doc)
     only_long = write_bench(tmp_path / "long.jsonl", [
         bench_line(0, "t", {"base": "alpha", "m1": turns, "m2": turns})])
     with pytest.raises(ConfigError, match="no benchmark query fits in 300 tokens under the "

@@ -336,7 +336,7 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monk
 
 # -- 3b. self-describing checkpoints, the prompt template, callbacks from the config -------------
 
-def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path, capsys):
+def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path, capsys, monkeypatch):
     """A checkpoint carries its tokenizer, HF config and template: no path into the run dir."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -381,6 +381,8 @@ def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path, capsys):
     assert json.loads((out / "crm.json").read_text())["source"] == str(checkpoint)
     assert sorted(p.name for p in data.iterdir()) == ["train.jsonl"]
     check_out_dir(out, str(checkpoint), overwrite=False)  # the same checkpoint re-exports in place
+    monkeypatch.chdir(checkpoint.parent)  # and by a relative path, the same file
+    check_out_dir(out, checkpoint.name, overwrite=False)
     check_out_dir(data, other, overwrite=True)
     # The scorer reads the moved checkpoint as it reads the export.
     pair = [(["answers concisely"], "how do I boil an egg?", "Nine minutes.", "No idea.")]
