@@ -67,7 +67,9 @@ $(CHROMIUM):
 # (docs/TESTING.md: how, and the figures). On a fresh clone of the 2-core AMD EPYC, quiet,
 # 2026-11-26: 508 s of tests in one process before (929 tests); 414 s on two workers with 1,026;
 # 432-437 s with 1,055 (round 2), 502-510 s for bash .ci/run; round 3, 1,057 tests: 361 s when
-# the machine's inductor cache holds the compiled tests' kernels, 387-405 s when they are built.
+# the machine's inductor cache holds the compiled tests' kernels, 387-405 s when they are built;
+# round 4, 1,067 tests: 390-394 s, 462 s for bash .ci/run (a clone at a new path always builds
+# them: the venv's path is in each kernel's key, docs/TESTING.md).
 # `$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"` leaves the
 # slow ones out while you work (152 s for 1,037 tests, round 3).
 test: install $(CHROMIUM)
