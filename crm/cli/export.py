@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from crm.cli.scorer import transformers_bars
 from crm.core.files import refuse_file_as_dir, refuse_foreign, refuse_replacing
 
 
@@ -27,10 +28,13 @@ def check_out_dir(out: Path, checkpoint: str, overwrite: bool) -> None:
     allow = "export into a new or empty OUT_DIR, or --overwrite to write over it"
     if out.is_dir() and any(out.iterdir()):
         refuse_foreign(out, out / META, "crm-export", allow)
-    # compared as files, not as strings: the checkpoint named by a relative path is the same one
-    same_file = lambda path: str(Path(path).resolve()) if path else path  # noqa: E731
-    refuse_replacing(out / META, {"checkpoint": same_file(checkpoint)},
-                     lambda before: {"checkpoint": same_file(before.get("source"))}, allow)
+    refuse_replacing(out / META, {"checkpoint": _as_file(checkpoint)},
+                     lambda before: {"checkpoint": _as_file(before.get("source"))}, allow)
+
+
+def _as_file(path: str | None) -> str | None:
+    """A checkpoint compared as a file, not a string: named by a relative path it is the same one."""
+    return str(Path(path).resolve()) if path else path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,10 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from crm.models.checkpoint import export_checkpoint  # torch: after --help and argparse's refusals
 
-    if not sys.stderr.isatty():  # transformers' "Writing model shards" bar, in a log file
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    transformers_bars(sys.stderr.isatty())  # its "Writing model shards" bar
 
     try:
         check_out_dir(Path(args.out_dir), args.checkpoint, args.overwrite)

@@ -39,6 +39,16 @@ class ScorerSettings:
             import_ray()
 
 
+def transformers_bars(show: bool) -> None:
+    """transformers' own progress bars (loading and writing weights) off unless `show`: they
+    redraw with carriage returns, noise in a log file or a pipe. Every command asks with
+    `sys.stderr.isatty()` at least."""
+    if not show:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
     """The CRMScorer of `cfg.checkpoint` (an export dir or a crm-train checkpoint), or with
     engine=ray a RayScorer whose workers each load it (`run_dir`: where its finished blocks go)."""
@@ -67,10 +77,7 @@ def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
                                identity=checkpoint_identity(cfg.checkpoint) + f"/{cfg.dtype}")
     device = None if cfg.device == "auto" else torch.device(cfg.device)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    if not progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" too
+    transformers_bars(progress)  # "Loading weights" too
     return CRMScorer.load(cfg.checkpoint, batch_size=cfg.batch_size, device=device, dtype=dtype,
                           prefix_reuse=cfg.prefix_reuse, progress=progress, compile=cfg.compile)
 

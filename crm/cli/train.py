@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from crm.cli.errors import one_line_config_errors
 from crm.cli.multirun import sweep_jobs
+from crm.cli.scorer import transformers_bars
 from crm.cli.schema import (PathsConfig, benchmark_config, check_test_files, register_schema,
                             settings)
 from crm.core.errors import ConfigError
@@ -165,13 +166,7 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.module import CRMModule
     from crm.training.trainer import AgreedResume, leave_process_group, make_trainer, resolve_resume
 
-    if not sys.stderr.isatty():
-        # transformers' bars (loading and writing weights) redraw with carriage returns: in a
-        # job's log file they are noise between the log lines. Lightning's bar is the config's
-        # (trainer.enable_progress_bar).
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    transformers_bars(sys.stderr.isatty())  # Lightning's bar is trainer.enable_progress_bar's
     # One process decides its resume here, before the tokenizer is trained into the run dir; ranks
     # agree on theirs inside fit (AgreedResume). Either refuses another data set's checkpoint.
     resume = resolve_resume(run.resume, run_dir, run.data.path) if world == 1 else None
