@@ -4,8 +4,11 @@
 the two cores each run one test. A test marked `both_cores` starts processes of its own (a
 2-rank run, a SLURM job's tasks, a 2-thread run) that need both: while it runs, the other worker
 starts nothing. A worker holds the cores shared for each other test and alone for a both_cores
-one (flock on two files of the run); a worker waiting to hold them alone first takes the gate, so
-the other cannot starve it by starting test after test. Without xdist the lock is not used.
+one (flock on files of the run); a worker waiting to hold them alone says so first (`waiting`)
+and then takes the gate, and no worker starts a test while the other waits: neither can starve
+it by starting test after test, the worker that held the cores alone last included (flock wakes
+waiters in no set order: round 5 measured a 10 s test started in a waiter's turn). Without xdist
+the lock is not used.
 """
 from __future__ import annotations
 
@@ -30,12 +33,17 @@ DURATIONS = Path(__file__).parent / "durations.json"
 class CoreShare:
     def __init__(self, directory: Path):
         directory.mkdir(exist_ok=True)
-        self.gate = open(directory / "gate", "a")  # held for the session
+        self.waiting = open(directory / "waiting", "a")  # held shared by a worker waiting to run alone
+        self.gate = open(directory / "gate", "a")
         self.cores = open(directory / "cores", "a")
 
     @contextlib.contextmanager
     def hold(self, alone: bool):
+        fcntl.flock(self.waiting, fcntl.LOCK_EX)  # returns once no worker waits to run alone
+        fcntl.flock(self.waiting, fcntl.LOCK_SH if alone else fcntl.LOCK_UN)
         fcntl.flock(self.gate, fcntl.LOCK_EX)
+        if alone:
+            fcntl.flock(self.waiting, fcntl.LOCK_UN)
         try:
             fcntl.flock(self.cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         finally:
@@ -65,10 +73,12 @@ def pytest_collection_modifyitems(config, items):
     """xdist hands out whole files (--dist loadfile --no-loadscope-reorder: xdist's own reorder,
     by test count, would undo this) in this order: first the files of both_cores tests, then the
     others, each group longest first by the seconds it took in the run recorded in DURATIONS
-    (a file not there: its tests at the median test's seconds). A both_cores test waits for the
-    other worker's test in progress to end, a core idle meanwhile: run while the other worker is
-    in the same kind of file, it waits for little; and a long file started last would leave a
-    core idle at the end (the longest-first rule of scheduling)."""
+    (a file not there: its tests at the median test's seconds), and in a file its both_cores
+    tests first. A both_cores test waits for the other worker's test in progress to end, a core
+    idle meanwhile: run while the other worker is in the same kind of file, it waits for little
+    (round 5 measured 32 s idle for a both_cores test behind its file's other tests, the other
+    worker by then in the longest test of all); and a long file started last would leave a core
+    idle at the end (the longest-first rule of scheduling)."""
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     per_file, per_test = recorded.get("per_file", {}), recorded.get("median_test_seconds", 0.0)
     counts = collections.Counter(item.nodeid.split("::")[0] for item in items)
@@ -77,7 +87,7 @@ def pytest_collection_modifyitems(config, items):
 
     def key(item):
         file = item.nodeid.split("::")[0]
-        return file not in alone, -seconds[file]
+        return file not in alone, -seconds[file], file, item.get_closest_marker("both_cores") is None
     items.sort(key=key)
 
 
