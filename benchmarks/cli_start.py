@@ -1,7 +1,7 @@
 """How fast each console script answers before it does any work: `--help`, a Hydra composition
-error and a start check's refusal (one line, exit 2), wall time per call, and what importing its
-module costs (`python -X importtime`: the module's cumulative time and the heavy libraries it
-pulled in), as one JSON document.
+error and a start check's refusal (one line, exit 2; crm-train's also those that read the user's
+files), wall time per call, and what importing its module costs (`python -X importtime`: the
+module's cumulative time and the heavy libraries it pulled in), as one JSON document.
 
     python benchmarks/cli_start.py [--repeat 3] [--label "after, load 2.1"] [--out FILE]
 
@@ -45,6 +45,30 @@ COMMANDS = {
 LIBRARY_CHECKS = {"crm-train": {"trainer_value": ["trainer.max_steps=ten"],
                                 "packing_value": ["stream.packing=1"],
                                 "batch_plan": ["micro_batch_size=3", "global_batch_size=16"]}}
+# crm-train's refusals that read the user's files (data_refusals writes them into the scratch dir):
+# a training-format file as a test file, shards without validation records, and resume=auto in a
+# run dir whose checkpoint another data set trained.
+DATA_CHECKS = {"crm-train": {"test_file_format": ["data=shards", "data.path=shards",
+                                                  "data.test_files=[train.jsonl]"],
+                             "no_val_records": ["data=shards", "data.path=no_val"],
+                             "other_data_checkpoint": ["data=shards", "data.path=shards", "name=mine"]}}
+
+
+def data_refusals(cwd: Path) -> None:
+    """The files DATA_CHECKS refer to, in `cwd`: 60 demo training records sharded with and without
+    a validation split, and outputs/mine/checkpoints/last.ckpt naming data.path=other."""
+    import torch
+
+    from crm.data.demo import write_demo
+    from crm.data.shard import shard
+
+    write_demo(cwd / "demo", n_train=60, n_test=4, n_bench=1)
+    (cwd / "train.jsonl").write_bytes((cwd / "demo" / "train.jsonl").read_bytes())
+    shard([str(cwd / "train.jsonl")], cwd / "shards", val_fraction=0.5)
+    shard([str(cwd / "train.jsonl")], cwd / "no_val", val_fraction=0.0)
+    last = cwd / "outputs" / "mine" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"crm_config": {"data": {"path": str(cwd / "other")}}}, last)
 
 
 def timed(argv: list[str], cwd: Path, repeat: int) -> dict:
@@ -89,6 +113,7 @@ def main() -> None:
               "pythonpath": os.environ.get("PYTHONPATH", ""), "commands": {}}
     with tempfile.TemporaryDirectory() as scratch:
         cwd = Path(scratch)
+        data_refusals(cwd)
         for script, (module, composition, refusal) in COMMANDS.items():
             exe = str(bin_dir / script)
             row = {"import": import_cost(module), "help": timed([exe, "--help"], cwd, args.repeat)}
@@ -99,6 +124,8 @@ def main() -> None:
                 row["usage_error"] = timed([exe], cwd, args.repeat)
             for name, argv in LIBRARY_CHECKS.get(script, {}).items():
                 row[f"start_check_{name}"] = timed([exe, *argv], cwd, args.repeat)
+            for name, argv in DATA_CHECKS.get(script, {}).items():
+                row[f"data_check_{name}"] = timed([exe, *argv], cwd, args.repeat)
             result["commands"][script] = row
             print(f"{script}: {json.dumps(row)}", file=sys.stderr)
     result["loadavg_before"] = [round(x, 2) for x in load_before]

@@ -146,6 +146,13 @@ def train(cfg: DictConfig) -> dict | None:
     later_jobs = check_sweep()
     checks.check_trainer(run.trainer)
     log_per_rank()  # before resolve, whose warnings go to each rank's own log
+    # One process decides its resume first: another data set's checkpoint is refused before the
+    # model's libraries load, and before the tokenizer is trained into the run dir. Ranks agree on
+    # theirs inside fit (AgreedResume), which refuses it alike.
+    from crm.training.resolve import world_size
+    from crm.training.resume import resolve_resume
+
+    resume = resolve_resume(run.resume, run_dir, run.data.path) if world_size(run.trainer) == 1 else None
     benchmarks, resolved, shard_dir, world = check_job(run, run_dir)
     check_later_jobs(later_jobs, run_dir)
     from crm.training.resolve import device_type
@@ -164,12 +171,9 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.datamodule import CRMDataModule
     from crm.training.loggers import make_logger, plot_curves
     from crm.training.module import CRMModule
-    from crm.training.trainer import AgreedResume, leave_process_group, make_trainer, resolve_resume
+    from crm.training.trainer import AgreedResume, leave_process_group, make_trainer
 
     transformers_bars(sys.stderr.isatty())  # Lightning's bar is trainer.enable_progress_bar's
-    # One process decides its resume here, before the tokenizer is trained into the run dir; ranks
-    # agree on theirs inside fit (AgreedResume). Either refuses another data set's checkpoint.
-    resume = resolve_resume(run.resume, run_dir, run.data.path) if world == 1 else None
     L.seed_everything(run.seed, workers=True)
     if run.torch_threads:
         torch.set_num_threads(run.torch_threads)
@@ -312,18 +316,28 @@ def log_per_rank() -> None:
 
 def check_job(run: TrainConfig, run_dir: Path) -> tuple[list[Benchmark], Any, Path, int]:
     """What a run checks before Lightning loads (3 s) and anything trains: the benchmarks, the
-    automatic choices (`resolve`), the data against the settings (README-format records under a
-    direction that needs the losing side's criteria included) and the test files. Returns the
-    benchmarks, the resolved choices, the shard dir and the world size."""
-    from crm.training.resolve import resolve, world_size
+    data against the settings (README-format records under a direction that needs the losing
+    side's criteria included), the test files, and the automatic choices (`resolve`, whose model
+    shape and compiler check import transformers and inductor: 2 s). The user's files are read
+    before `resolve`; the demo's data (its test files among them) is generated only once every
+    setting is accepted. Returns the benchmarks, the resolved choices, the shard dir and the
+    world size."""
+    from crm.training.resolve import batch_plan, resolve, world_size
 
     benchmarks = read_benchmarks(run)
-    resolved = resolve(run)  # before Lightning and the training stack are imported
-    shard_dir = prepare_demo(run.data.demo) if run.data.demo else Path(run.data.path)
     world = world_size(run.trainer)
-    checks.check_data_fits(run, shard_dir, run_dir, world,
-                           transform_config(run, resolved.accumulation))
-    check_test_files(run.data.test_files, "data.test_files")
+    _, accumulation = batch_plan(run.global_batch_size, run.micro_batch_size, world,
+                                 run.max_micro_batch_size)
+
+    def check_files(shard_dir: Path) -> Path:
+        checks.check_data_fits(run, shard_dir, run_dir, world, transform_config(run, accumulation))
+        check_test_files(run.data.test_files, "data.test_files")
+        return shard_dir
+
+    shard_dir = None if run.data.demo else check_files(Path(run.data.path))
+    resolved = resolve(run)  # before Lightning and the training stack are imported
+    if shard_dir is None:
+        shard_dir = check_files(prepare_demo(run.data.demo))
     return benchmarks, resolved, shard_dir, world
 
 

@@ -262,10 +262,18 @@ def test_files_of_different_topic_tables_are_not_sharded_together(tmp_path, caps
 def test_crm_train_refuses_at_start_what_would_stop_it_after_training(root, capsys, monkeypatch):
     """Each refused before a tokenizer is trained into the run dir, let alone a step: test files
     that crm-eval would refuse (a training-format file, a missing one), shards without a
-    validation record, and a run dir whose checkpoint another data set trained (resume=auto)."""
+    validation record, and a run dir whose checkpoint another data set trained (resume=auto).
+    All before `resolve`, which imports the model's libraries (2 s of a refusal's 3.5-5.5:
+    benchmarks/results/cli_start_data_checks_*.json)."""
     import torch
 
-    from crm.training.trainer import resolve_resume
+    import crm.training.resolve
+    from crm.training.resume import resolve_resume
+
+    def not_yet(run, environment=None):
+        raise AssertionError("resolve ran before the user's files were read")
+
+    monkeypatch.setattr(crm.training.resolve, "resolve", not_yet)
 
     mine = write_jsonl(root / "mine.jsonl", [train_dict(f"k{i}") for i in range(8)])
     for out, fraction in (("shards", "0.5"), ("no_val", "0")):

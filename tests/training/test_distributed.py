@@ -35,7 +35,7 @@ from crm.data.demo import DemoConfig, prepare_demo
 from crm.data.manifest import load_manifest
 from crm.data.shard import shard
 from crm.models.checkpoint import SHARDED_META, is_complete_checkpoint, load_checkpoint, model_weights
-from crm.training.trainer import resolve_resume
+from crm.training.resume import resolve_resume
 
 # The subprocess tests are marked slow (12 runs, about 5 minutes on the 2-core machine):
 # `make test` runs them too, `-m 'not slow'` leaves them out.
