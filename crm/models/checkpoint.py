@@ -75,6 +75,9 @@ def load_checkpoint(path: str | Path) -> dict:
     """
     path = Path(path)
     if path.is_file():
+        if not zipfile.is_zipfile(path):  # else a traceback from torch's unpickler
+            raise ValueError(f"{path}: not a checkpoint crm-train wrote (a .ckpt file is torch's zip "
+                             "archive): give one of a run's checkpoints, outputs/<name>/checkpoints/")
         return torch.load(path, map_location="cpu", weights_only=True)
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{path}: no checkpoint file, and no complete sharded checkpoint "

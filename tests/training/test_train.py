@@ -380,6 +380,11 @@ def test_a_moved_run_dir_still_exports_and_scores(demo_root, tmp_path, capsys, m
         assert capsys.readouterr().err.strip().splitlines() == [f"crm-export: {line}"]
     assert json.loads((out / "crm.json").read_text())["source"] == str(checkpoint)
     assert sorted(p.name for p in data.iterdir()) == ["train.jsonl"]
+    # A file that is no checkpoint (here the user's data) is named, not unpickled into a traceback.
+    assert export_main([str(data / "train.jsonl"), str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"crm-export: {data / 'train.jsonl'}: not a checkpoint crm-train wrote (a .ckpt file is "
+        "torch's zip archive): give one of a run's checkpoints, outputs/<name>/checkpoints/"]
     check_out_dir(out, str(checkpoint), overwrite=False)  # the same checkpoint re-exports in place
     monkeypatch.chdir(checkpoint.parent)  # and by a relative path, the same file
     check_out_dir(out, checkpoint.name, overwrite=False)
