@@ -70,7 +70,7 @@ $(CHROMIUM):
 # the machine's inductor cache holds the compiled tests' kernels, 387-405 s when they are built;
 # round 4, 1,067 tests: 390-394 s, 462 s for bash .ci/run (a clone at a new path always builds
 # them: the venv's path is in each kernel's key, docs/TESTING.md); round 5, 1,067 tests, kernels
-# built: 383.6-389.8 s (344.6-353.1 s with them in the cache, a clone at a path used before).
+# built: 364-390 s (344.6-353.1 s with them in the cache, a clone at a path used before).
 # `$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"` leaves the
 # slow ones out while you work (146 s for 1,043 tests, round 5).
 test: install $(CHROMIUM)
