@@ -36,5 +36,3 @@ def planned_jobs(sweep_dir: Path) -> list[list[str]]:
                           (hydra.get("overrides") or {}).get("task") or [])
     except HydraException:
         return []
-
-

@@ -149,13 +149,12 @@ def train(cfg: DictConfig) -> dict | None:
     # One process decides its resume first: another data set's checkpoint is refused before the
     # model's libraries load, and before the tokenizer is trained into the run dir. Ranks agree on
     # theirs inside fit (AgreedResume), which refuses it alike.
-    from crm.training.resolve import world_size
+    from crm.training.resolve import device_type, world_size
     from crm.training.resume import resolve_resume
 
     resume = resolve_resume(run.resume, run_dir, run.data.path) if world_size(run.trainer) == 1 else None
     benchmarks, resolved, shard_dir, world = check_job(run, run_dir)
     check_later_jobs(later_jobs, run_dir)
-    from crm.training.resolve import device_type
 
     import lightning as L
     import torch

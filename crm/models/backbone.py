@@ -34,9 +34,6 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
-# What compiled decoder layers can run (crm.models.compile): transformers' flash-attention wrapper
-# branches on tensor values (a one-row batch's packed-sequence check) and logs inside the layer, so
-# dynamo cannot capture it whole (docs/PERFORMANCE.md section 9).
 def choose_attention(requested: str = "auto", compiled: bool = False) -> str:
     """The attention implementation for a model whose decoder layers are `compiled` or eager.
 

@@ -16,7 +16,9 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Every linear layer of a Qwen3 decoder layer: attention's four projections and the MLP's three.
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-
+# What compiled decoder layers can run (crm.models.compile): transformers' flash-attention wrapper
+# branches on tensor values (a one-row batch's packed-sequence check) and logs inside the layer, so
+# dynamo cannot capture it whole (docs/PERFORMANCE.md section 9).
 COMPILABLE_ATTENTION = ("sdpa", "eager")
 
 

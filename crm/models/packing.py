@@ -30,7 +30,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-
 ATTENTION = "crm_packed"
 PATHS = ("gather", "flex", "varlen")
 
