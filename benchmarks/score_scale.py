@@ -11,9 +11,12 @@ rows by default). The CRM is the demo's tiny Qwen3 (configs/model/tiny.yaml) ran
 initialised, with a BPE trained on the demo's training data as crm-train trains it: a forward's
 cost does not depend on the weights.
 The machine's CPU and its load (`uptime`) before and after each measurement are recorded: the
-speed-up needs two otherwise idle cores. Each run's CPU seconds (local: the process's; ray: the
-driver's and the workers' in their blocks) give rows per CPU second, which a busy machine moves
-less than rows per second: what engine=ray costs in CPU over engine=local.
+speed-up needs two otherwise idle cores. Each scorer computes on one thread: torch's, and no pool
+of the Rust tokenizer's (TOKENIZERS_PARALLELISM=false, as the engine sets it in each Ray worker):
+with its pool, engine=local ran on 1.1 cores (docs/PERFORMANCE.md section 12). Each run's CPU
+seconds (local: the process's; ray: the driver's and the workers' in their blocks) give rows per
+CPU second, which a busy machine moves less than rows per second: what engine=ray costs in CPU
+over engine=local.
 
     python benchmarks/score_scale.py [--queries 2500] [--rounds 2] [--block-prompts 8] [--out FILE]
 """
@@ -46,6 +49,7 @@ from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.models.tokenizer import train_bpe_tokenizer
 
 CRITERIA = [TRAIN_WORDINGS["detailed"][1]]
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per scorer, local and each worker alike
 
 
 def cpu_model() -> str:
@@ -150,7 +154,8 @@ def main() -> None:
         "benchmark": "score_scale", "cpu": cpu_model(), "cores": os.cpu_count(),
         "torch": torch.__version__, "ray": ray.__version__,
         "rows": rows, "queries": len(selection.records), "models": len(selection.models),
-        "criteria": CRITERIA, "batch_size": args.batch_size, "runs": runs,
+        "criteria": CRITERIA, "batch_size": args.batch_size,
+        "threads_per_scorer": "1 (torch.set_num_threads(1), TOKENIZERS_PARALLELISM=false)", "runs": runs,
         "median_rows_per_s": rate, "speedup": round(rate["ray"] / rate["local"], 3),
         "startup_seconds": {e: [r["startup_seconds"] for r in runs if r["engine"] == e]
                             for e in ("local", "ray")},
