@@ -21,6 +21,19 @@ class OptimConfig:
     warmup_steps: int = 100  # linear warmup, then cosine decay to min_lr_ratio * lr
     min_lr_ratio: float = 0.0
 
+    def __post_init__(self):
+        # torch's AdamW refuses these only when the optimizer is built: after the tokenizer is
+        # trained, inside fit, as a traceback.
+        beta1, beta2 = self.betas
+        for key, ok, wanted in (("lr", self.lr > 0, "> 0"), ("eps", self.eps >= 0, ">= 0"),
+                                ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                                ("betas", 0 <= beta1 < 1 and 0 <= beta2 < 1, "each in [0, 1)"),
+                                ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+                                ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]")):
+            if not ok:
+                value = list(self.betas) if key == "betas" else getattr(self, key)
+                raise ValueError(f"optim.{key}={value}: expected {wanted}")
+
 
 SHARDINGS = ("auto", "fsdp", "hsdp")
 GRAD_SYNCS = ("step", "micro_batch")

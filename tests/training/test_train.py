@@ -632,6 +632,10 @@ def test_global_batch_not_divisible_by_micro_batch_is_refused(demo_root, tmp_pat
     (["data=shards", "data.path=/nonexistent"], "data.path=/nonexistent: no manifest.json there"),
     (["data=demo", "model.path=/nonexistent"], "model.path=/nonexistent: no such directory"),
     (["data=demo", "stream.packing=yes"], "stream.packing='yes': expected auto, true or false"),
+    # torch's AdamW would refuse these inside fit, after the tokenizer is trained, as a traceback
+    (["data=demo", "optim.lr=-1"], r"optim.lr=-1.0: expected > 0"),
+    (["data=demo", "optim.betas=[0.9,1.5]"], r"optim.betas=\[0.9, 1.5\]: expected each in \[0, 1\)"),
+    (["data=demo", "optim.min_lr_ratio=2"], r"optim.min_lr_ratio=2.0: expected in \[0, 1\]"),
 ])
 def test_configuration_errors_name_the_setting(demo_root, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
