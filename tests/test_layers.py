@@ -76,7 +76,8 @@ def test_imports_point_down_the_layers():
 
 
 # What several entry points share, each module one concern (docs/DESIGN.md section 1).
-CLI_SHARED = ("crm.cli.schema", "crm.cli.errors", "crm.cli.scorer", "crm.cli.multirun")
+CLI_SHARED = ("crm.cli.schema", "crm.cli.errors", "crm.cli.scorer", "crm.cli.multirun",
+              "crm.cli.record")
 
 
 def test_an_entry_point_imports_no_other_one():

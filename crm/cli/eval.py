@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from crm.cli.errors import one_line_config_errors
+from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, check_test_files, register_schema, settings
 from crm.cli.scorer import ScorerSettings, checkpoint_argument, close_scorer, load_scorer
 from crm.core.errors import ConfigError
@@ -55,10 +56,10 @@ class EvalConfig(ScorerSettings):
 register_schema("eval", EvalConfig)
 
 
-def evaluate(cfg: DictConfig) -> dict:
+def evaluate(composed: DictConfig) -> dict:
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    cfg = settings(cfg)
+    cfg = settings(composed)
     paths = cfg.data.test
     if not paths and cfg.benchmark is None:
         raise ConfigError("no test files and no benchmark: crm-eval checkpoint=DIR "
@@ -70,7 +71,7 @@ def evaluate(cfg: DictConfig) -> dict:
     # Read and checked whole before the model loads: a file not in its layout stops here.
     benchmark = cfg.benchmark and load_benchmark(cfg.benchmark, criteria_override(cfg.criteria))
     check_not_another_run(run_dir / "metrics.json", cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    save_run_record(composed)
     scorer = load_scorer(cfg, run_dir)
     from crm.evaluation.accuracy import evaluate_files  # torch: not for --help or a refusal
 

@@ -26,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from crm.cli.errors import one_line_config_errors
+from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.cli.scorer import ScorerSettings, checkpoint_argument, close_scorer, load_scorer
 from crm.core.errors import ConfigError
@@ -113,10 +114,10 @@ def user_votes(cfg: LeaderboardConfig, selection):
     return votes
 
 
-def run(cfg: DictConfig) -> dict:
+def run(composed: DictConfig) -> dict:
     started = time.time()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    cfg = settings(cfg)
+    cfg = settings(composed)
     criteria, contrast, labels = criteria_sets(cfg)
     topics = None if cfg.topics is None else _lines(cfg.topics)
     models = None if cfg.models is None else _lines(cfg.models)
@@ -144,7 +145,7 @@ def run(cfg: DictConfig) -> dict:
     refuse_replacing(run_dir / "leaderboard.json", board_inputs(str(cfg.checkpoint), cfg.bench),
                      lambda before: board_inputs(before.get("model"), before.get("bench")),
                      f"give this board its own name= (name={cfg.name} is taken)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    save_run_record(composed)
     scorer = load_scorer(cfg, run_dir)
     try:
         result = leaderboard(scorer, selection, criteria, contrast or None,

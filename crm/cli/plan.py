@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from crm.cli.errors import one_line_config_errors
+from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
@@ -285,28 +286,32 @@ def main(cfg: DictConfig) -> None:
 
     path = Path(HydraConfig.get().runtime.output_dir) / "plan.json"
     run = settings(cfg)
+
+    def keep(result: dict) -> None:  # a plan made: its record and plan.json
+        save_run_record(cfg)
+        write_json(path, result)
     if cfg.task == "score":
         peak = peak_flops(run.gpu, None if run.peak_tflops is None else run.peak_tflops * 1e12)
         if peak is None:
             raise ConfigError(f"gpu={run.gpu}: no peak FLOP/s known; set peak_tflops=")
         result = {"model": run.model.name, **score_plan(model_shape(run.model, run.kind), run.score,
                                                         peak=peak, mfu=run.mfu)}
-        write_json(path, result)
+        keep(result)
         print(describe_score(result, run.model.name))
         print(f"plan: {path}")
         return
     planning.check_settings(run)
     if run.table:
         result = planning.table(run)
-        write_json(path, result)
+        keep(result)
         print(format_table(result))
     elif run.one_gpu:
         result = planning.one_gpu(run)
-        write_json(path, result)
+        keep(result)
         print(format_one_gpu(result))
     elif run.recommend:
         result = planning.recommend(run)
-        write_json(path, result)
+        keep(result)
         best = result["best"]
         print(f"crm-plan: {result['model']} on {result['num_nodes']} node(s) x {result['devices']} GPUs, "
               f"{describe_tokens(result)}: {len(result['candidates'])} setting(s) fit; fastest: "
@@ -316,7 +321,7 @@ def main(cfg: DictConfig) -> None:
         return
     else:
         result = {**planning.train_plan(run), "resolved": planned_resolution(run)}
-        write_json(path, result)
+        keep(result)
         print(format_plan(result))
     print(f"plan: {path}")
 

@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig
 
 from crm.cli.errors import one_line_config_errors
+from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
@@ -54,10 +55,11 @@ def check_inputs(cfg: RlConfig) -> None:
         raise ConfigError(f"policy.path={cfg.policy.path}: no such directory (a local HF causal LM)")
 
 
-def run(cfg: DictConfig) -> dict:
+def run(composed: DictConfig) -> dict:
     started = time.time()
-    cfg = settings(cfg)
+    cfg = settings(composed)
     check_inputs(cfg)
+    save_run_record(composed)
     import torch  # after the checks: a refusal answers before torch and TRL load
 
     from crm.core.records import RecordError

@@ -22,6 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from crm.cli.errors import one_line_config_errors
 from crm.cli.multirun import sweep_jobs
 from crm.cli.scorer import transformers_bars
+from crm.cli.record import save_run_record
 from crm.cli.schema import (PathsConfig, benchmark_config, check_test_files, register_schema,
                             settings)
 from crm.core.errors import ConfigError
@@ -152,9 +153,12 @@ def train(cfg: DictConfig) -> dict | None:
     from crm.training.resolve import device_type, world_size
     from crm.training.resume import resolve_resume
 
-    resume = resolve_resume(run.resume, run_dir, run.data.path) if world_size(run.trainer) == 1 else None
+    resume_decided_here = world_size(run.trainer) == 1
+    resume = resolve_resume(run.resume, run_dir, run.data.path) if resume_decided_here else None
     benchmarks, resolved, shard_dir, world = check_job(run, run_dir)
     check_later_jobs(later_jobs, run_dir)
+    if resume_decided_here:
+        save_run_record(cfg)
 
     import lightning as L
     import torch
@@ -203,7 +207,8 @@ def train(cfg: DictConfig) -> dict | None:
                            callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir,
                            parallel=parallel)
     if trainer.world_size > 1:  # rank 0 decides, inside fit, once the ranks are connected
-        resume = AgreedResume(run.resume, run_dir, run.data.path)
+        resume = AgreedResume(run.resume, run_dir, run.data.path,
+                              on_agreed=partial(save_run_record, cfg))
         resume.trainer = trainer
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     resumed_from = resume.decide() if isinstance(resume, AgreedResume) else resume

@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig
 
 from crm.app.service import Limits
 from crm.cli.errors import one_line_config_errors
+from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.cli.scorer import ScorerSettings, load_scorer
 from crm.core.errors import ConfigError
@@ -160,6 +161,7 @@ def main(cfg: DictConfig) -> None:
     auth = basic_auth(cfg.auth_env)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes
     page, service = build_app(cfg)
+    save_run_record(cfg)
     from crm.app.page import HttpLimits, launch  # build_app loaded it, once its checks passed
     print(f"crm-usl: {service.version}, baseline {service.selection.baseline}; serving on "
           f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -106,11 +107,14 @@ class AgreedResume(os.PathLike):
     decision is made there: rank 0 resolves `resume` (resolve_resume), the strategy broadcasts
     it, and every rank loads what rank 0 chose. Before the ranks connect, Lightning only checks
     that a path was given: it is (undecided). A one-process run needs no agreement: train()
-    passes it resolve_resume's answer directly.
+    passes it resolve_resume's answer directly. `on_agreed()` runs on rank 0 once the ranks have
+    agreed without a refusal (crm-train writes the run's record then).
     """
 
-    def __init__(self, resume, run_dir: Path, data_path: str | None = None):
+    def __init__(self, resume, run_dir: Path, data_path: str | None = None,
+                 on_agreed: Callable[[], None] | None = None):
         self.resume, self.run_dir, self.data_path = resume, Path(run_dir), data_path
+        self.on_agreed = on_agreed
         self.trainer: L.Trainer | None = None
         self.path: str | None = None
         self.decided = False
@@ -128,6 +132,8 @@ class AgreedResume(os.PathLike):
             self.decided = True
             if error:
                 raise ConfigError(error)
+            if strategy.global_rank == 0 and self.on_agreed is not None:
+                self.on_agreed()
         return self.path
 
     def __bool__(self) -> bool:

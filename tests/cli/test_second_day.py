@@ -39,11 +39,24 @@ def root(tmp_path, monkeypatch) -> Path:
 
 # -- item 2: nothing replaced silently ------------------------------------------------------------
 
+def earlier_record(run_dir: Path) -> dict[str, bytes]:
+    """An earlier run's record (.hydra/, crm/cli/record.py) planted in `run_dir`: its files' bytes."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (run_dir / ".hydra" / name).write_text(f"# the earlier run's {name}\n")
+    return record_of(run_dir)
+
+
+def record_of(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run_dir / ".hydra").iterdir())}
+
+
 def test_crm_leaderboard_refuses_to_replace_another_checkpoints_board(root):
-    """The console script: the refusal comes before any model loads, in one line naming name=."""
+    """The console script: the refusal comes before any model loads, in one line naming name=;
+    the earlier board's record (.hydra/) is not rewritten with the refused run's config."""
     bench = write_jsonl(root / "bench.jsonl", BENCH)
     board = root / "outputs" / "leaderboard" / "default"
-    board.mkdir(parents=True)
+    record = earlier_record(board)
     (board / "leaderboard.json").write_text(json.dumps({"model": "outputs/a/export",
                                                         "bench": str(bench)}))
     before = (board / "leaderboard.json").read_bytes()
@@ -55,6 +68,7 @@ def test_crm_leaderboard_refuses_to_replace_another_checkpoints_board(root):
         f"crm-leaderboard: {board} holds the results of checkpoint=outputs/a/export (this run: "
         f"checkpoint={root}): give this board its own name= (name=default is taken)"]
     assert (board / "leaderboard.json").read_bytes() == before
+    assert record_of(board) == record
 
 
 def test_crm_data_shard_keeps_other_inputs_shards_and_criterias_rejects(tmp_path):
@@ -298,6 +312,7 @@ def test_crm_train_refuses_at_start_what_would_stop_it_after_training(root, caps
                          "no best checkpoint, no early stopping: the export is the final weights)")
 
     run_dir = root / "outputs" / "mine"
+    record = earlier_record(run_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
     last.parent.mkdir(parents=True)
     torch.save({"crm_config": {"data": {"path": str(root / "other")}}}, last)
@@ -305,5 +320,6 @@ def test_crm_train_refuses_at_start_what_would_stop_it_after_training(root, caps
         f"crm-train: {last}: trained on data.path={root / 'other'}, and this run's is "
         f"data.path={root / 'shards'}: resume=auto would continue it on other data; give this run "
         f"another name= (a run dir of its own), or resume=false to start over in {run_dir}")
+    assert record_of(run_dir) == record  # the earlier run's config, not the refused run's
     assert resolve_resume("auto", run_dir, str(root / "other")) == str(last)  # its own data resumes
     assert not list((root / "outputs").rglob("tokenizer"))  # no run got as far as its tokenizer

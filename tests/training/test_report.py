@@ -171,7 +171,7 @@ def test_a_cpu_sweep_reports_the_benchmarks_its_runs_scored(demo_root, tmp_path)
     metrics = run_train(demo_root, sweep / "0", "loss=cls", "export=true", "evaluate=true",
                         "logger=csv", f"+benchmarks.pairs={data}/pairs.jsonl",
                         f"+benchmarks.rmbench={data}/rm.json")
-    (sweep / "0" / ".hydra").mkdir()
+    # The run wrote its record (.hydra/); the sweep's overrides as Hydra's sweeper gives them:
     (sweep / "0" / ".hydra" / "overrides.yaml").write_text(
         yaml.safe_dump(["experiment=cpu_loss", "loss=cls"]))
     pairs, rmbench = metrics["benchmarks"]["pairs"], metrics["benchmarks"]["rmbench"]
