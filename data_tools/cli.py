@@ -135,12 +135,14 @@ def _check_topic_tables(files: list[str]) -> None:
     files clustered apart number their topics apart (1 is "short" in one, "formal" in the other),
     and `add` noise, which draws criteria of another topic, would mix them up. Refused in one
     line with the way to one table."""
+    from data_tools.topics import read_topic_table
+
     tables = []  # (input, its table's path, topic id -> name)
     for path in files:
         table = Path(path).with_name(Path(path).name.removesuffix(".gz").removesuffix(".jsonl")
                                      + ".topics.json")
         if table.is_file():
-            names = {t["id"]: t["name"] for t in json.loads(table.read_text("utf-8"))}
+            names = {t["id"]: t["name"] for t in read_topic_table(table)[1]}
             tables.append((path, table, names))
     for path, table, names in tables[1:]:
         first_path, first_table, first_names = tables[0]

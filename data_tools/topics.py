@@ -2,9 +2,10 @@
 
 Fills `a_broad_criteria_topic` / `b_broad_criteria_topic` (one topic id per criterion: what `add`
 noise needs to draw criteria unrelated to the losing side's) and writes the topic table beside the
-output: `<OUT stem>.topics.json` with each topic's id, name (its top TF-IDF terms), size (criteria
-occurrences), distinct criteria and the most frequent examples. Lines that are not training
-records (topic ids aside) go to `<OUT stem>.rejects.jsonl` (only written when there are any).
+output: `<OUT stem>.topics.json`, the input it was clustered from and each topic's id, name (its
+top TF-IDF terms), size (criteria occurrences), distinct criteria and the most frequent examples.
+Lines that are not training records (topic ids aside) go to `<OUT stem>.rejects.jsonl` (only
+written when there are any).
 
 Offline by default: TF-IDF of each distinct criterion (words and word pairs) and KMeans, which
 scales to the 55k votes' hundreds of thousands of criteria (agglomerative clustering would need the
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from crm.core.errors import ConfigError
 from crm.core.files import refuse_foreign, write_json
 from crm.core.records import parse_train, read_lines
 
@@ -87,6 +89,13 @@ def sentence_embedder(model_dir: str | Path):
     return lambda texts: model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
 
 
+def read_topic_table(path: str | Path) -> tuple[str | None, list[dict]]:
+    """(the input it was clustered from, its topics) of a `<stem>.topics.json`; a table written
+    before the input was recorded (a bare list) has none."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    return (doc.get("input"), doc["topics"]) if isinstance(doc, dict) else (None, doc)
+
+
 def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int = 0,
            embedder: str | Path | None = None, overwrite: bool = False) -> dict:
     """Cluster the criteria of `in_path` and write `out_path` (may be the same file) with topic
@@ -101,6 +110,10 @@ def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int 
         refuse_foreign(out_path, table_path, "crm-data topics",
                        "give a new OUT.jsonl (or IN.jsonl itself, to fill its topic ids in place), "
                        "or --overwrite to replace it")
+        earlier, _ = read_topic_table(table_path) if table_path.is_file() else (None, [])
+        if earlier is not None and earlier != str(in_path.resolve()):  # `topics C B` over A's B
+            raise ConfigError(f"{out_path} is crm-data topics' output of {earlier} ({table_path}), "
+                              f"not of {in_path}: give a new OUT.jsonl, or --overwrite to replace it")
     uses: Counter = Counter()  # criterion -> occurrences, in first-seen order
     good = bad = 0
     for line in read_lines(in_path, "train", parser=_without_topics):
@@ -139,7 +152,7 @@ def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int 
         members.sort(key=lambda c: -uses[c])  # stable: ties keep first-seen order
         table.append({"id": topic, "name": name, "size": sum(uses[c] for c in members),
                       "distinct": len(members), "examples": members[:EXAMPLES]})
-    write_json(table_path, table)
+    write_json(table_path, {"input": str(in_path.resolve()), "topics": table})
     return {"read": good + bad, "written": good, "rejected": bad, "criteria": sum(uses.values()),
             "distinct_criteria": len(criteria), "topics": len(names), "table": str(table_path),
             "rejects": str(rejects_path) if bad else None}

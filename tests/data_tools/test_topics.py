@@ -92,7 +92,9 @@ def test_topics_fills_every_criterion_and_writes_the_table(tmp_path, capsys):
         {frozenset(cs) for cs in GROUPS.values()}
     # everything else of a record is kept as it was
     assert json.loads(out.read_text().splitlines()[0])["idx"] == records[0]["idx"]
-    table = json.loads((tmp_path / "with_topics.topics.json").read_text())
+    doc = json.loads((tmp_path / "with_topics.topics.json").read_text())
+    assert doc["input"] == str(src.resolve())
+    table = doc["topics"]
     assert [t["id"] for t in table] == [0, 1, 2]
     assert sum(t["size"] for t in table) == 24 * 3 + 2 and sum(t["distinct"] for t in table) == 12
     for t in table:
@@ -120,6 +122,18 @@ def test_topics_in_place_and_clear_errors(tmp_path, capsys):
     assert theirs.read_text() == "mine\n"
     assert main(["topics", str(src), str(theirs), "--k", "2", "--overwrite"]) == 0
     assert (tmp_path / "theirs.topics.json").is_file()  # its own output now: a re-run replaces it
+    assert main(["topics", str(src), str(theirs), "--k", "2"]) == 0
+    # ... of the same input: `topics C B` over `topics A B`'s B is refused as well
+    other = tmp_path / "other.jsonl"
+    write_records(other)
+    made = theirs.read_bytes(), (tmp_path / "theirs.topics.json").read_bytes()
+    capsys.readouterr()
+    assert main(["topics", str(other), str(theirs), "--k", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"crm-data topics: {theirs} is crm-data topics' output of {src.resolve()} "
+        f"({tmp_path / 'theirs.topics.json'}), not of {other}: give a new OUT.jsonl, or "
+        "--overwrite to replace it"]
+    assert (theirs.read_bytes(), (tmp_path / "theirs.topics.json").read_bytes()) == made
     # votes without criteria: crm-data criteria named, as crm-data shard names it
     votes = tmp_path / "votes.jsonl"
     turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
