@@ -5,7 +5,7 @@ them, but written by the command once it has accepted the run.
 Hydra writes them before the command starts (`hydra.output_subdir`); every command's config sets
 it to null, so that a refused run (another data set for a run dir's checkpoint, another checkpoint
 for an evaluation's name, a setting that cannot work) leaves the record of the run already in that
-dir as it was (docs/DESIGN.md section 6)."""
+dir as it was (docs/DESIGN.md section 7)."""
 from __future__ import annotations
 
 import os
