@@ -359,6 +359,11 @@ def test_fsdp_shards_parameters_and_optimizer_states(runs):
     for rank in ddp["per_rank_memory"]:  # DDP replicates: every rank holds everything
         assert (rank["param_bytes"], rank["optimizer_bytes"]) == (full["param_bytes"],
                                                                   full["optimizer_bytes"])
+    # The run's record (crm/cli/record.py), written by rank 0 once the ranks agreed on the resume
+    from omegaconf import OmegaConf
+
+    assert "- trainer=fsdp" in (runs.fsdp / ".hydra" / "overrides.yaml").read_text().splitlines()
+    assert OmegaConf.load(runs.fsdp / ".hydra" / "config.yaml").trainer.devices == 2
 
 
 # -- 2. loss curves -------------------------------------------------------------------------------
