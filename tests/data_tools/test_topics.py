@@ -122,8 +122,9 @@ def test_topics_in_place_and_clear_errors(tmp_path, capsys):
     assert theirs.read_text() == "mine\n"
     assert main(["topics", str(src), str(theirs), "--k", "2", "--overwrite"]) == 0
     assert (tmp_path / "theirs.topics.json").is_file()  # its own output now: a re-run replaces it
+    # A re-run of the same input replaces its own output; another input's (`topics C B` over
+    # `topics A B`'s B) is refused as well
     assert main(["topics", str(src), str(theirs), "--k", "2"]) == 0
-    # ... of the same input: `topics C B` over `topics A B`'s B is refused as well
     other = tmp_path / "other.jsonl"
     write_records(other)
     made = theirs.read_bytes(), (tmp_path / "theirs.topics.json").read_bytes()
