@@ -91,9 +91,21 @@ def sentence_embedder(model_dir: str | Path):
 
 def read_topic_table(path: str | Path) -> tuple[str | None, list[dict]]:
     """(the input it was clustered from, its topics) of a `<stem>.topics.json`; a table written
-    before the input was recorded (a bare list) has none."""
-    doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    return (doc.get("input"), doc["topics"]) if isinstance(doc, dict) else (None, doc)
+    before the input was recorded (a bare list) has none. A file of another shape is a ValueError
+    naming it."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # not JSON, not UTF-8
+        doc, why = None, f"not JSON: {exc}"
+    else:
+        why = 'not {"input": ..., "topics": [{"id": ..., "name": ...}, ...]}'
+    topics = doc.get("topics") if isinstance(doc, dict) else doc
+    if not isinstance(topics, list) or not all(isinstance(t, dict) and {"id", "name"} <= t.keys()
+                                               for t in topics):
+        raise ValueError(f"{path}: not a topic table of crm-data topics ({why}); remove it or "
+                         "run crm-data topics again")
+    return (doc.get("input") if isinstance(doc, dict) else None), topics
 
 
 def topics(in_path: str | Path, out_path: str | Path, *, k: int = 20, seed: int = 0,

@@ -135,6 +135,17 @@ def test_topics_in_place_and_clear_errors(tmp_path, capsys):
         f"({tmp_path / 'theirs.topics.json'}), not of {other}: give a new OUT.jsonl, or "
         "--overwrite to replace it"]
     assert (theirs.read_bytes(), (tmp_path / "theirs.topics.json").read_bytes()) == made
+    # a table that is no topics' table: named, not a traceback (topics and shard read it alike)
+    shape = 'not {"input": ..., "topics": [{"id": ..., "name": ...}, ...]}'
+    for damaged, why in (("not json", "not JSON: Expecting value: line 1 column 1 (char 0)"),
+                         ('{"input": "x"}', shape), ('[{"id": 0}]', shape)):
+        (tmp_path / "theirs.topics.json").write_text(damaged)
+        for argv in (["topics", str(other), str(theirs)], ["shard", str(theirs), str(tmp_path / "sh")]):
+            assert main(argv) == 2
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert line.endswith(f"{tmp_path / 'theirs.topics.json'}: not a topic table of crm-data "
+                                 f"topics ({why}); remove it or run crm-data topics again"), line
+    assert theirs.read_bytes() == made[0] and not (tmp_path / "sh").exists()
     # votes without criteria: crm-data criteria named, as crm-data shard names it
     votes = tmp_path / "votes.jsonl"
     turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
