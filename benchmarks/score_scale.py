@@ -114,6 +114,7 @@ def run_ray(export: Path, selection, batch_size: int, block_prompts: int) -> tup
         scorer.close()
     return ({"engine": "ray", "workers": 2, "threads_per_worker": 1,
              "block_prompts": block_prompts, "blocks": scorer.tasks[0]["blocks"],
+             "blocks_in_flight": scorer.pool.describe()["blocks_in_flight"],
              "startup_seconds": round(startup, 2), "seconds": round(seconds, 2),
              "rows_per_s": round(len(outcomes) / seconds, 1),
              "cpu_seconds": {"driver": round(cpu, 2), "workers": round(scorer.cpu_seconds, 2)},

@@ -8,8 +8,9 @@ cluster; on CPU one per `cpus_per_worker` cores, with that many torch threads).
 - **Blocks of whole prompt groups.** Rows that share criteria and query (a benchmark query's
   candidates, a benchmark prompt's completions) stay in one block, so the scorer's prefix reuse and
   the round robin see what they see in one process; a block holds `block_prompts` groups.
-- **Streamed to idle workers.** Each worker holds one block at a time; the next block goes to
-  whichever worker frees up first, so long and short rows balance.
+- **Streamed to idle workers.** Each worker holds two blocks at a time (it starts the second while
+  the driver stores the first's result); the next block goes to whichever worker frees up first, so
+  long and short rows balance.
 - **Keyed by row.** A block's result carries its rows' indices; the driver places them, checks that
   every row arrived exactly once, and returns them in the caller's order.
 - **Resumable.** With a run dir, each finished block is written atomically (a temporary file, then
@@ -18,9 +19,11 @@ cluster; on CPU one per `cpus_per_worker` cores, with that many torch threads).
   rest. `blocks/<task>/plan.json` holds the block plan and a fingerprint of its inputs: blocks of
   other inputs are refused, never mixed in. `engine.json` records the engine, its workers and each
   task's plan, skips and retries.
-- **Faults.** A worker process that dies (SIGKILL, out of memory) is restarted by Ray and its blocks
-  are redone; a block whose worker dies `block_attempts` times stops the job with one line naming
-  the block's rows. An error the scorer raises (a pair that cannot fit) is raised as it is.
+- **Faults.** A worker process that dies (SIGKILL, out of memory) is restarted by Ray and its
+  unanswered blocks are redone, each alone on a worker, where a death is known to be that block's;
+  a block whose worker dies `block_attempts` times while it is the worker's one unanswered block
+  stops the job with one line naming the block's rows. An error the scorer raises (a pair that
+  cannot fit) is raised as it is.
 
 Plain Ray actors rather than Ray Data: the work is a few thousand blocks whose results must land
 exactly once, be written by the driver as they finish and be skipped on a rerun; a block is a
@@ -54,10 +57,12 @@ from crm.inference.config import EngineConfig
 log = logging.getLogger("crm.inference.engine")
 
 INSTALL_HINT = "pip install 'crm[ray]'"
-# Blocks per worker at a time: one, so that a worker that dies was running that block (a second
-# queued behind it would share the blame, and the reply of one that just finished can be lost with
-# the process); the next block leaves the driver as soon as the last arrives.
-BLOCKS_IN_FLIGHT = 1
+# Blocks per worker at a time: two, so that a worker starts its next block while the driver is
+# still storing the last one's result (one at a time left each worker idle about 22 ms a block on
+# CPU: 1.67x against 1.77x of one process's rows/s on two cores, docs/PERFORMANCE.md section 12).
+# A death with two of a worker's blocks unanswered does not say which one it was running: neither
+# is counted, and each is redone alone (_BlockRun), where a death is that block's.
+BLOCKS_IN_FLIGHT = 2
 NAMED_ROWS = 5  # rows an error names before "..."
 
 
@@ -396,6 +401,7 @@ class WorkerPool:
     def describe(self) -> dict:
         return {"engine": asdict(self.config), "address": self.address,
                 "started_ray": self._owns_ray, "gpus_per_worker": self.gpus_per_worker,
+                "blocks_in_flight": BLOCKS_IN_FLIGHT,
                 "startup_seconds": round(self.startup_seconds, 3), "workers": self.workers}
 
     def close(self) -> None:
@@ -557,9 +563,12 @@ class RayScorer:
 
 
 class _BlockRun:
-    """One task's blocks streamed to the pool's workers: at most BLOCKS_IN_FLIGHT per worker,
-    each result stored as it arrives; a worker that dies has its blocks requeued, the one it was
-    running (its oldest) counted against `block_attempts`, and gets no block until it is back."""
+    """One task's blocks streamed to the pool's workers, at most BLOCKS_IN_FLIGHT per worker, each
+    result stored as it arrives. A worker that dies gets no block until it is back, and its
+    unanswered blocks are redone. A death counts against a block (towards `block_attempts`) only
+    where that block was the worker's one unanswered block; a death with more leaves the culprit
+    unknown, so none is counted and each is redone alone: first, and on a worker holding nothing
+    else."""
 
     def __init__(self, scorer: RayScorer, op, task, blocks, names, arguments, store, results):
         import ray
@@ -569,19 +578,16 @@ class _BlockRun:
         self.store, self.results = store, results
         self.in_flight: dict = {}  # ref -> (block, worker)
         self.given = {w: [] for w in range(len(self.pool.actors))}  # each worker's, oldest first
+        self.alone: deque = deque()  # blocks to redo alone, after a death
+        self.alone_given: set = set()  # those of them a worker holds now
         self.attempts: Counter = Counter()
         self.retried = 0
 
     def until_done(self, pending: list[int]) -> None:
         ray, pool = self.ray, self.pool
         self.queue = deque(pending)
-        while self.queue or self.in_flight:
-            for w, actor in enumerate(pool.actors):
-                while self.queue and w not in pool.down and len(self.given[w]) < BLOCKS_IN_FLIGHT:
-                    b = self.queue.popleft()
-                    ref = getattr(actor, self.op).remote(*self.arguments(self.blocks[b]))
-                    self.in_flight[ref] = (b, w)
-                    self.given[w].append(b)
+        while self.queue or self.alone or self.in_flight:
+            self._give()
             (ref,), _ = ray.wait([*self.in_flight, *pool.probes], num_returns=1)
             if ref in pool.probes:
                 pool.probed(ref)
@@ -596,8 +602,28 @@ class _BlockRun:
                 continue
             self._store(b, w, result)
 
+    def _give(self) -> None:
+        """Each worker's first block before any worker's second, so that every worker is busy from
+        the start; a block to redo alone goes to a worker holding nothing, and keeps it to itself."""
+        for depth in range(BLOCKS_IN_FLIGHT):
+            for w in range(len(self.pool.actors)):
+                held = self.given[w]
+                if w in self.pool.down or len(held) != depth or self.alone_given.intersection(held):
+                    continue
+                if not held and self.alone:
+                    b = self.alone.popleft()
+                    self.alone_given.add(b)
+                elif self.queue:
+                    b = self.queue.popleft()
+                else:
+                    continue
+                ref = getattr(self.pool.actors[w], self.op).remote(*self.arguments(self.blocks[b]))
+                self.in_flight[ref] = (b, w)
+                held.append(b)
+
     def _store(self, b: int, w: int, result: dict) -> None:
         self.given[w].remove(b)
+        self.alone_given.discard(b)
         result["rows"] = np.asarray(self.blocks[b], dtype=np.int64)
         self.store.save(b, result)
         self.results[b] = result
@@ -620,27 +646,32 @@ class _BlockRun:
             except (ray.exceptions.RayError, TimeoutError):
                 failed.append(ob)
         failed.sort(key=self.given[w].index)
-        suspect = failed[0]  # the oldest: the one the worker was running (BLOCKS_IN_FLIGHT)
-        self.attempts[suspect] += 1
         self.retried += len(failed)
         self.given[w] = []
+        self.alone_given.difference_update(failed)
         self.pool.died(w)
-        if self.attempts[suspect] >= self.scorer.config.block_attempts:
-            rows = [self.names[i] for i in self.blocks[suspect]]
+        if len(failed) > 1:
+            log.warning("%s: worker %d died holding blocks %s (%s): each redone alone", self.task,
+                        w, ", ".join(map(str, failed)), type(exc).__name__)
+            self.alone.extendleft(reversed(failed))
+            return
+        self.attempts[b] += 1
+        if self.attempts[b] >= self.scorer.config.block_attempts:
+            rows = [self.names[i] for i in self.blocks[b]]
             listed = ""
             if self.store.dir is not None:  # every row, where a one-line message has no room
-                path = write_json(self.store.dir / f"failed-{suspect:06d}.json",
-                                  {"block": suspect, "deaths": self.attempts[suspect], "rows": rows})
+                path = write_json(self.store.dir / f"failed-{b:06d}.json",
+                                  {"block": b, "deaths": self.attempts[b], "rows": rows})
                 listed = f"; the rows: {path}"
             raise BlockFailed(
-                f"{self.task}: block {suspect} ({len(rows)} rows: {', '.join(rows[:NAMED_ROWS])}"
+                f"{self.task}: block {b} ({len(rows)} rows: {', '.join(rows[:NAMED_ROWS])}"
                 f"{f' and {len(rows) - NAMED_ROWS} more' if len(rows) > NAMED_ROWS else ''}) "
                 "killed its worker "
-                f"{self.attempts[suspect]} times ({type(exc).__name__}); its rows are not scored, "
+                f"{self.attempts[b]} times ({type(exc).__name__}); its rows are not scored, "
                 f"the job stops{listed}")
-        log.warning("%s: worker %d died in block %d (%s): %d block(s) redone", self.task, w,
-                    suspect, type(exc).__name__, len(failed))
-        self.queue.extendleft(reversed(failed))
+        log.warning("%s: worker %d died in block %d (%s): redone", self.task, w, b,
+                    type(exc).__name__)
+        self.alone.appendleft(b)
 
     def abandon(self) -> None:
         for ref in self.in_flight:
