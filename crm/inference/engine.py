@@ -606,6 +606,8 @@ class _BlockRun:
         """Each worker's first block before any worker's second, so that every worker is busy from
         the start; a block to redo alone goes to a worker holding nothing, and keeps it to itself."""
         for depth in range(BLOCKS_IN_FLIGHT):
+            if depth and self.alone:  # no second block while one waits for an empty worker
+                return
             for w in range(len(self.pool.actors)):
                 held = self.given[w]
                 if w in self.pool.down or len(held) != depth or self.alone_given.intersection(held):
