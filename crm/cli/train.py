@@ -206,7 +206,7 @@ def train(cfg: DictConfig) -> dict | None:
     trainer = make_trainer(run.trainer, accumulation=accum, val_every_n_steps=run.val_every_n_steps,
                            callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir,
                            parallel=parallel)
-    if trainer.world_size > 1:  # rank 0 decides, inside fit, once the ranks are connected
+    if not resume_decided_here:  # rank 0 decides, inside fit, once the ranks are connected
         resume = AgreedResume(run.resume, run_dir, run.data.path,
                               on_agreed=partial(save_run_record, cfg))
         resume.trainer = trainer
