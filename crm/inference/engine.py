@@ -59,7 +59,8 @@ log = logging.getLogger("crm.inference.engine")
 INSTALL_HINT = "pip install 'crm[ray]'"
 # Blocks per worker at a time: two, so that a worker starts its next block while the driver is
 # still storing the last one's result (one at a time left each worker idle about 22 ms a block on
-# CPU: 1.67x against 1.77x of one process's rows/s on two cores, docs/PERFORMANCE.md section 12).
+# CPU: 1.67x of one process's rows/s on two cores against 1.74-1.80x with two, docs/PERFORMANCE.md
+# section 12).
 # A death with two of a worker's blocks unanswered does not say which one it was running: neither
 # is counted, and each is redone alone (_BlockRun), where a death is that block's.
 BLOCKS_IN_FLIGHT = 2
