@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -126,6 +127,43 @@ def test_a_block_holds_whole_prompt_groups_in_first_seen_order():
     # With row lengths: groups of longer rows first, so a block's rows are of like length.
     lengths = [10, 50, 10, 5, 70, 20, 20]  # q1: 10, q2: 60 on average, q3: 5, q4: 20, q5: 20
     assert plan_blocks(keys, 2, lengths) == [[1, 4, 5], [6, 0, 2], [3]]
+
+
+
+class _Actor:
+    """Stands for a worker's actor handle: `pairs.remote(block)` returns a reference."""
+
+    def __init__(self):
+        self.pairs = self
+
+    def remote(self, block):
+        return object()
+
+
+def test_each_worker_gets_a_first_block_before_any_a_second_and_a_block_to_redo_runs_alone():
+    from types import SimpleNamespace
+
+    from crm.inference.engine import BLOCKS_IN_FLIGHT, _BlockRun
+
+    pool = SimpleNamespace(actors=[_Actor(), _Actor()], down=set())
+    scorer = SimpleNamespace(pool=pool)
+    blocks = [[i] for i in range(8)]
+    run = _BlockRun(scorer, "pairs", "001-pairs", blocks, [], lambda rows: tuple(rows), None, {})
+    run.queue = deque(range(8))
+    run._give()
+    assert BLOCKS_IN_FLIGHT == 2 and run.given == {0: [0, 2], 1: [1, 3]}
+    # Worker 0 died holding 0 and 2 (neither counted); worker 1 finished block 1.
+    run.given[0], run.given[1] = [], [3]
+    run.alone.extend([0, 2])
+    run._give()  # 0 to the empty worker, alone; no second block anywhere while 2 waits
+    assert run.given == {0: [0], 1: [3]} and list(run.alone) == [2]
+    run.given[1] = []  # block 3 done: worker 1 is empty
+    run._give()  # 2 alone on worker 1; no block waits alone any more, but both hold one
+    assert run.given == {0: [0], 1: [2]} and not run.alone
+    run.alone_given.discard(0)
+    run.given[0] = []  # block 0 done: worker 0 takes two of the queue again
+    run._give()
+    assert run.given == {0: [4, 5], 1: [2]}
 
 
 # -- equal to engine=local -------------------------------------------------------------------------
