@@ -104,6 +104,13 @@ def test_topics_fills_every_criterion_and_writes_the_table(tmp_path, capsys):
     assert (reject["line"], reject["field"]) == (25, "model_a")
 
 
+def refusal(capsys, argv: list[str]) -> list[str]:
+    """crm-data's exit 2 for `argv`, and the lines it wrote to stderr."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
 def test_topics_in_place_and_clear_errors(tmp_path, capsys):
     src = tmp_path / "train.jsonl"
     write_records(src)
@@ -113,9 +120,7 @@ def test_topics_in_place_and_clear_errors(tmp_path, capsys):
     # `topics A B` meant as two inputs: B, the user's data, is not replaced without --overwrite
     theirs = tmp_path / "theirs.jsonl"
     theirs.write_text("mine\n")
-    capsys.readouterr()
-    assert main(["topics", str(src), str(theirs), "--k", "2"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
+    assert refusal(capsys, ["topics", str(src), str(theirs), "--k", "2"]) == [
         f"crm-data topics: {theirs} exists and is not an output of crm-data topics (no "
         f"{tmp_path / 'theirs.topics.json'}): give a new OUT.jsonl (or IN.jsonl itself, to fill "
         "its topic ids in place), or --overwrite to replace it"]
@@ -128,9 +133,7 @@ def test_topics_in_place_and_clear_errors(tmp_path, capsys):
     other = tmp_path / "other.jsonl"
     write_records(other)
     made = theirs.read_bytes(), (tmp_path / "theirs.topics.json").read_bytes()
-    capsys.readouterr()
-    assert main(["topics", str(other), str(theirs), "--k", "2"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
+    assert refusal(capsys, ["topics", str(other), str(theirs), "--k", "2"]) == [
         f"crm-data topics: {theirs} is crm-data topics' output of {src.resolve()} "
         f"({tmp_path / 'theirs.topics.json'}), not of {other}: give a new OUT.jsonl, or "
         "--overwrite to replace it"]
@@ -141,8 +144,7 @@ def test_topics_in_place_and_clear_errors(tmp_path, capsys):
                          ('{"input": "x"}', shape), ('[{"id": 0}]', shape)):
         (tmp_path / "theirs.topics.json").write_text(damaged)
         for argv in (["topics", str(other), str(theirs)], ["shard", str(theirs), str(tmp_path / "sh")]):
-            assert main(argv) == 2
-            (line,) = capsys.readouterr().err.strip().splitlines()
+            (line,) = refusal(capsys, argv)
             assert line.endswith(f"{tmp_path / 'theirs.topics.json'}: not a topic table of crm-data "
                                  f"topics ({why}); remove it or run crm-data topics again"), line
     assert theirs.read_bytes() == made[0] and not (tmp_path / "sh").exists()
