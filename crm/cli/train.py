@@ -21,8 +21,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from crm.cli.errors import one_line_config_errors
 from crm.cli.multirun import sweep_jobs
-from crm.cli.scorer import transformers_bars
 from crm.cli.record import save_run_record
+from crm.cli.scorer import transformers_bars
 from crm.cli.schema import (PathsConfig, benchmark_config, check_test_files, register_schema,
                             settings)
 from crm.core.errors import ConfigError
