@@ -302,7 +302,7 @@ def main() -> None:
                              ppi_spec, cases[kind, user_kind])
     result = {
         "benchmark": "usl_coverage",
-        "command": "nice -n 5 python benchmarks/usl_coverage.py " + " ".join(
+        "command": "python benchmarks/usl_coverage.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "checkpoint": None if scorer is None else args.checkpoint, "bench": args.bench,
         "synthetic_crm_error": args.synthetic_crm,
