@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import posixpath
 import sys
 import typing
 from pathlib import Path
@@ -216,18 +217,26 @@ def check_attention(attention: str, compiled: bool) -> None:
 def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
                     transform: TransformConfig | None = None) -> None:
     """Before the tokenizer is trained on them: shards with no training record, or with fewer
-    validation records than ranks in a run that validates, or README-format records under a
-    `transform` whose direction needs the losing side's criteria (read from the manifest, so
-    refused in seconds, not after the tokenizer), are refused; a global batch larger
-    than the data, a validation split too small to mean anything, a curriculum warm-up as long as
-    the run, validation or save intervals past the run's last step and a run dir that will be
-    resumed are one warning line each."""
-    from crm.data.manifest import load_manifest
+    validation records than ranks in a run that validates, README-format records under a
+    `transform` whose direction needs the losing side's criteria, or noise that draws from a
+    criteria pool the manifest lacks (read from the manifest, so refused in seconds, not after
+    the tokenizer), are refused; a global batch larger than the data, a validation split too
+    small to mean anything, a curriculum warm-up as long as the run, validation or save intervals
+    past the run's last step and a run dir that will be resumed are one warning line each."""
+    from crm.data.manifest import MANIFEST, load_manifest
     from crm.data.transforms import check_one_sided
 
     manifest = load_manifest(shard_dir)
     if transform is not None and manifest.one_sided:
         check_one_sided(transform)
+    # README-format records have no losing side to replace from: `replace` draws from the pool too.
+    pooled = ("add", "random", "replace") if manifest.one_sided else ("add", "random")
+    if transform is not None and transform.noise in pooled and manifest.criteria_pool is None:
+        # The stream would refuse it too, but only inside fit, after the tokenizer, as a traceback.
+        raise ConfigError(f"noise={transform.noise} draws criteria from the manifest's criteria_pool, "
+                          f"which {posixpath.join(manifest.root, MANIFEST)} lacks (a manifest not "
+                          "written by `crm-data shard`): re-shard the data, or train with "
+                          "noise=none or remove")
     keep_ties = run.transform.ties == "keep"
     train, val = ({} if split not in manifest.splits else manifest.splits[split]
                   for split in ("train", "val"))

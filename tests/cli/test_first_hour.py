@@ -101,6 +101,19 @@ def test_shards_without_a_training_record_are_refused_in_one_line(root, capsys, 
                                             "promised 8 or more")
 
 
+@pytest.mark.parametrize("noise", ["add", "random"])
+def test_noise_that_draws_from_a_criteria_pool_the_manifest_lacks_is_one_line(root, capsys,
+                                                                               monkeypatch, noise):
+    shards = root / "shards"
+    write_shard_dir(shards, [make_records(8)])  # a manifest written by hand: no criteria_pool
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "data=shards",
+                   f"data.path={shards}", f"noise={noise}", "+trainer.limit_val_batches=0", "name=x")
+    assert line == (f"crm-train: noise={noise} draws criteria from the manifest's criteria_pool, "
+                    f"which {shards / 'manifest.json'} lacks (a manifest not written by `crm-data "
+                    "shard`): re-shard the data, or train with noise=none or remove")
+    assert not (root / "outputs" / "x" / "tokenizer").exists()  # refused before the tokenizer
+
+
 def test_crm_eval_lists_every_bad_record_before_loading_the_model(root, capsys, monkeypatch):
     good = {"idx": "0", "prompt": "q", "criteria": ["short"], "preference": "model_a",
             "model_a": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
