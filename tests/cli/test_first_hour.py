@@ -114,6 +114,26 @@ def test_noise_that_draws_from_a_criteria_pool_the_manifest_lacks_is_one_line(ro
     assert not (root / "outputs" / "x" / "tokenizer").exists()  # refused before the tokenizer
 
 
+def test_replace_noise_of_readme_format_records_needs_the_pool_too(root, capsys, monkeypatch):
+    from crm.data.shard import shard
+
+    rows = [{"idx": str(i), "prompt": f"q{i}", "criteria": ["short", "plain", "warm"],
+             "preference": "model_a",
+             "model_a": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}],
+             "model_b": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "b"}]}
+            for i in range(8)]
+    (root / "readme.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shards = root / "shards"
+    shard([str(root / "readme.jsonl")], shards, val_fraction=0.0)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    del manifest["criteria_pool"]  # as a manifest from elsewhere
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "data=shards",
+                   f"data.path={shards}", "direction=original", "noise=replace",
+                   "+trainer.limit_val_batches=0", "name=x")
+    assert f"noise=replace draws criteria from the manifest's criteria_pool, which {shards}" in line
+
+
 def test_crm_eval_lists_every_bad_record_before_loading_the_model(root, capsys, monkeypatch):
     good = {"idx": "0", "prompt": "q", "criteria": ["short"], "preference": "model_a",
             "model_a": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
