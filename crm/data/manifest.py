@@ -37,13 +37,17 @@ class Manifest:
     raw: dict
 
     @property
+    def path(self) -> str:
+        return posixpath.join(self.root, MANIFEST)
+
+    @property
     def one_sided(self) -> bool:
         """Whether any shard holds README-format records (only the preferred side's criteria)."""
         return any(s.one_sided for shards in self.splits.values() for s in shards)
 
     def shards(self, split: str) -> list[ShardInfo]:
         if split not in self.splits:
-            raise ValueError(f"{posixpath.join(self.root, MANIFEST)}: no split {split!r}; "
+            raise ValueError(f"{self.path}: no split {split!r}; "
                              f"it has {sorted(self.splits)}")
         return self.splits[split]
 

@@ -35,7 +35,8 @@ from crm.data.packing import pack, split_shared
 from crm.data.padding import pad_rows
 from crm.core.errors import ShardError
 from crm.data.reader import iter_shard_raw, load_member
-from crm.data.transforms import CriteriaPool, TransformConfig, check_one_sided, record_rng, train_example
+from crm.data.transforms import (CriteriaPool, TransformConfig, check_one_sided, draws_from_pool, record_rng,
+                                 train_example)
 
 class Encoded(NamedTuple):
     """A record after transforms and the length policy, before batching (sent from the workers)."""
@@ -60,9 +61,10 @@ class PairStream(IterableDataset):
         if cfg.mode == "pointwise" and transform.ties == "keep":
             raise ValueError("pointwise training cannot use ties (a Bradley-Terry pair needs a "
                              "winner): set ties=drop")
-        if transform.noise in ("add", "random") and pool is None:
+        one_sided = any(s.one_sided for s in shards)
+        if pool is None and draws_from_pool(transform.noise, one_sided):
             raise ValueError(f"noise={transform.noise!r} draws from a criteria pool: give the manifest's")
-        if any(s.one_sided for s in shards):
+        if one_sided:
             check_one_sided(transform)
         self.shards, self.tokenizer, self.cfg, self.transform = shards, tokenizer, cfg, transform
         self.pool, self.rank, self.world = pool, rank, world

@@ -118,6 +118,12 @@ def check_one_sided(cfg: TransformConfig) -> None:
                 "preferred side's: train them with direction=original")
 
 
+def draws_from_pool(noise: str, one_sided: bool) -> bool:
+    """Whether `noise` needs the criteria pool: `add` (and `random`, which may draw it) always,
+    `replace` where README-format records have no losing side to replace from."""
+    return noise in ("add", "random") or (one_sided and noise == "replace")
+
+
 def record_rng(seed: int, epoch: int, key: str) -> random.Random:
     # blake2b, not hash(): Python's string hash differs per process unless PYTHONHASHSEED is fixed.
     digest = hashlib.blake2b(f"{seed}\x1f{epoch}\x1f{key}".encode(), digest_size=8).digest()

@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import posixpath
 import sys
 import typing
 from pathlib import Path
@@ -223,18 +222,17 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
     the tokenizer), are refused; a global batch larger than the data, a validation split too
     small to mean anything, a curriculum warm-up as long as the run, validation or save intervals
     past the run's last step and a run dir that will be resumed are one warning line each."""
-    from crm.data.manifest import MANIFEST, load_manifest
-    from crm.data.transforms import check_one_sided
+    from crm.data.manifest import load_manifest
+    from crm.data.transforms import check_one_sided, draws_from_pool
 
     manifest = load_manifest(shard_dir)
     if transform is not None and manifest.one_sided:
         check_one_sided(transform)
-    # README-format records have no losing side to replace from: `replace` draws from the pool too.
-    pooled = ("add", "random", "replace") if manifest.one_sided else ("add", "random")
-    if transform is not None and transform.noise in pooled and manifest.criteria_pool is None:
+    if (transform is not None and manifest.criteria_pool is None
+            and draws_from_pool(transform.noise, manifest.one_sided)):
         # The stream would refuse it too, but only inside fit, after the tokenizer, as a traceback.
         raise ConfigError(f"noise={transform.noise} draws criteria from the manifest's criteria_pool, "
-                          f"which {posixpath.join(manifest.root, MANIFEST)} lacks (a manifest not "
+                          f"which {manifest.path} lacks (a manifest not "
                           "written by `crm-data shard`): re-shard the data, or train with "
                           "noise=none or remove")
     keep_ties = run.transform.ties == "keep"

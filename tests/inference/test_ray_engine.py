@@ -129,7 +129,6 @@ def test_a_block_holds_whole_prompt_groups_in_first_seen_order():
     assert plan_blocks(keys, 2, lengths) == [[1, 4, 5], [6, 0, 2], [3]]
 
 
-
 class _Actor:
     """Stands for a worker's actor handle: `pairs.remote(block)` returns a reference."""
 
