@@ -12,6 +12,11 @@ from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 PREFERENCES = ("model_a", "model_b", "tie")
+# What a training record's criteria are (its optional `shape`, docs/DESIGN.md section 3.1):
+# "decides": each side's criteria are what that side wins under (the paper's; the default);
+# "tie": criteria on which the two answers are equally good (a tie; the same list on both sides);
+# "user": criteria written as a user writes them, independent of the pair, labelled by the rule.
+SHAPES = ("decides", "tie", "user")
 ROLES = ("system", "user", "assistant")
 NO_TOPIC = -1  # the topic id of a criterion whose topic is unknown (README-format training records)
 
@@ -41,6 +46,7 @@ class TrainRecord:
     # A README-format record (`criteria` + `preference`): only the preferred side's criteria are
     # known. They sit on the preferred side (on both sides for a tie); the other side's are empty.
     one_sided: bool = False
+    shape: str = "decides"  # one of SHAPES
 
     @property
     def query(self) -> str:
@@ -251,7 +257,23 @@ def parse_train(obj, with_topics: bool = True) -> TrainRecord:
         b_topics=topics["b"],
         idx=None if idx is None else _ident(idx, "idx"),
         topic=None if topic is None else _string(topic, "topic"),
+        shape=_shape(obj.get("shape"), winner, criteria["a"], criteria["b"]),
     )
+
+
+def _shape(value, winner: str, a_criteria: tuple, b_criteria: tuple) -> str:
+    if value is None:  # absent, or null as other optional fields
+        return "decides"
+    if value not in SHAPES:
+        raise RecordError(f"unknown shape {value!r}, expected one of {', '.join(SHAPES)}", "shape")
+    # A tie record says the pair is equal under its criteria: another label, or two lists, would
+    # contradict it.
+    if value == "tie" and winner != "tie":
+        raise RecordError(f"shape 'tie' needs human_winner 'tie', got {winner!r}", "shape")
+    if value == "tie" and a_criteria != b_criteria:
+        raise RecordError("shape 'tie': b_criteria must equal a_criteria (the criteria on which "
+                          "both answers are equally good)", "b_criteria")
+    return value
 
 
 def parse_test(obj) -> TestRecord:
@@ -278,7 +300,9 @@ def parse_test(obj) -> TestRecord:
 
 def as_training(record: TestRecord) -> TrainRecord:
     """A README-format record as training data: its criteria are the preferred side's (a tie's
-    criteria are shown with the tie label), and the other side's criteria are unknown."""
+    criteria are shown with the tie label), and the other side's criteria are unknown. Its shape
+    is "tie" for a tie (criteria under which neither answer is preferred, on both sides), else
+    "decides"."""
     criteria, topics = record.criteria, (NO_TOPIC,) * len(record.criteria)
     on_a = record.preference in ("model_a", "tie")
     on_b = record.preference in ("model_b", "tie")
@@ -286,7 +310,8 @@ def as_training(record: TestRecord) -> TrainRecord:
         human_winner=record.preference, model_a=record.model_a, model_b=record.model_b,
         a_criteria=criteria if on_a else (), b_criteria=criteria if on_b else (),
         a_topics=topics if on_a else (), b_topics=topics if on_b else (),
-        idx=record.idx, topic=record.topic, one_sided=True)
+        idx=record.idx, topic=record.topic, one_sided=True,
+        shape="tie" if record.preference == "tie" else "decides")
 
 
 def parse_bench(obj) -> BenchRecord:

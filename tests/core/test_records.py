@@ -119,6 +119,13 @@ TRAIN_DEFECTS = [
      "topic 0 is bool, expected an integer"),
     ("topics-not-a-list", line(make_train_obj(b_broad_criteria_topic=7)), "b_broad_criteria_topic",
      "expected a list of integer topic ids, got int"),
+    ("unknown-shape", line(make_train_obj(shape="ties")), "shape",
+     "unknown shape 'ties', expected one of decides, tie, user"),
+    ("shape-not-a-string", line(make_train_obj(shape=["tie"])), "shape", "unknown shape ['tie']"),
+    ("tie-shape-with-a-winner", line(make_train_obj(shape="tie")), "shape",
+     "shape 'tie' needs human_winner 'tie', got 'model_a'"),
+    ("tie-shape-with-two-lists", line(make_train_obj(shape="tie", human_winner="tie")), "b_criteria",
+     "shape 'tie': b_criteria must equal a_criteria"),
 ]
 
 TEST_DEFECTS = [
@@ -360,6 +367,16 @@ def test_readme_format_parses_as_a_one_sided_training_record(preference, on_a, o
         parse_train(make_test_obj(criteria=[]))
     assert (info.value.field, info.value.reason) == ("criteria", "empty criteria list")
     assert not parse_train(make_train_obj()).one_sided
+    assert record.shape == ("tie" if preference == "tie" else "decides")
+
+
+def test_a_records_shape_is_read_and_decides_when_absent():
+    assert parse_train(make_train_obj()).shape == "decides"
+    assert parse_train(make_train_obj(shape=None)).shape == "decides"
+    assert parse_train(make_train_obj(shape="user", human_winner="tie")).shape == "user"
+    tie = parse_train(make_train_obj(shape="tie", human_winner="tie", b_criteria=["is correct", "is concise"],
+                                      b_broad_criteria_topic=[1, 2]))
+    assert (tie.shape, tie.human_winner, tie.a_criteria) == ("tie", "tie", tie.b_criteria)
 
 
 @pytest.mark.parametrize("fmt", [None, "test"])
