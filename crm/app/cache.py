@@ -18,7 +18,9 @@ from crm.core.lru import LRU
 from crm.evaluation.leaderboard import Outcome
 
 log = logging.getLogger("crm.app")
-FORMAT = 1  # of the files on disk; part of every key
+# Of the files on disk; part of every key, so files of an earlier format are never found (they
+# are scored again) and age out. 2: each outcome keeps its P(tie).
+FORMAT = 2
 
 
 def file_digest(path: Path) -> str:
@@ -98,7 +100,7 @@ class VerdictCache:
 
     def _write(self, key: str, fields: dict, outcomes: list[Outcome]) -> None:
         write_json(self._path(key), {"format": FORMAT, "fields": fields, "outcomes": [
-            [o.model, o.topic, o.result, o.p_win, o.idx] for o in outcomes]})
+            [o.model, o.topic, o.result, o.p_win, o.idx, o.p_tie] for o in outcomes]})
         files = self._by_age()
         for old in files[:max(0, len(files) - self.disk_entries)]:
             old.unlink(missing_ok=True)

@@ -400,6 +400,7 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                 return {drill_status: "**Internal error:** the server logged it; please report it."}
             return {examples: pd.DataFrame([{"Query": r["query"], "Response": r["response"],
                                              "Baseline": r["baseline"], "P(win)": r["p_win"],
+                                             "P(tie)": r["p_tie"],
                                              "Verdict": r["result"], "Topic": r["topic"]}
                                             for r in rows]),
                     drill_status: ""}

@@ -305,8 +305,8 @@ class Leaderboards:
                                                                        second["rows"])}
 
     def examples(self, criteria: tuple[str, ...], choice: Choice, model: str) -> list[dict]:
-        """The drill-down: `model`'s judged examples (its response, the baseline's, P(win)), the
-        CRM's most confident verdicts first."""
+        """The drill-down: `model`'s judged examples (its response, the baseline's, P(win),
+        P(tie)), the CRM's most confident verdicts first."""
         if model not in self.models:
             raise BoardError(f"Unknown model {model!r}: the benchmark ranks "
                              f"{', '.join(self.models)}.")
@@ -318,6 +318,7 @@ class Leaderboards:
                 rows.append({"idx": o.idx, "topic": o.topic, "query": record.prompt,
                              "response": show(record.responses[model][1:]),
                              "baseline": show(record.responses[self.selection.baseline][1:]),
-                             "p_win": round(o.p_win, 4), "result": o.result})
+                             "p_win": round(o.p_win, 4), "p_tie": round(o.p_tie, 4),
+                             "result": o.result})
         rows.sort(key=lambda r: -abs(r["p_win"] - 0.5))
         return rows

@@ -3,7 +3,8 @@
     crm-leaderboard checkpoint=DIR bench=FILE baseline=NAME 'criteria=["line 1","line 2"]'
                     [topics=[...]] ['contrast=[...]'] [default=true] [votes=FILE]
 
-Writes leaderboard.json, leaderboard.md and leaderboard.png into outputs/leaderboard/<name>.
+Writes leaderboard.json, leaderboard.md, leaderboard.png and judgments.jsonl (the CRM's verdict
+and probabilities per judged pair) into outputs/leaderboard/<name>.
 `default=true` ranks under `default_criteria` (the crowd's average preference) instead of
 `criteria`; with `contrast` it is compared with another criteria set (Kendall tau). `checkpoint`
 is an export dir or a crm-train checkpoint (the former `model=DIR` still works, with a deprecation
@@ -30,7 +31,7 @@ from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.cli.scorer import ScorerSettings, checkpoint_argument, close_scorer, load_scorer
 from crm.core.errors import ConfigError
-from crm.core.files import refuse_replacing, write_json
+from crm.core.files import refuse_replacing, write_json, write_jsonl
 from crm.core.records import RecordError
 from crm.evaluation.leaderboard import Bootstrap, interval_method, leaderboard, select
 from crm.evaluation.suggest import suggest_pairs, suggestion_lines
@@ -147,10 +148,12 @@ def run(composed: DictConfig) -> dict:
                      f"give this board its own name= (name={cfg.name} is taken)")
     save_run_record(composed)
     scorer = load_scorer(cfg, run_dir)
+    judgments: list[dict] = []
     try:
         result = leaderboard(scorer, selection, criteria, contrast or None,
                              both_orders=cfg.both_orders, labels=labels,
-                             interval=cfg.interval, votes=votes, slot_sample=cfg.slot_sample)
+                             interval=cfg.interval, votes=votes, slot_sample=cfg.slot_sample,
+                             judgments=judgments)
     finally:
         close_scorer(scorer)
     result.update(model=str(cfg.checkpoint), kind=scorer.kind,
@@ -160,6 +163,7 @@ def run(composed: DictConfig) -> dict:
         log.warning("%d prompts had responses shortened to fit the CRM's %d tokens (judged on "
                     "their start and end: leaderboard.json's sequences.shortened)",
                     result["sequences"]["shortened"], scorer.encoder.max_tokens)
+    write_judgments(run_dir / "judgments.jsonl", judgments, cfg.name)
     if cfg.suggest_votes:
         pairs = suggest_pairs(selection, cfg.suggest_votes, cfg.interval.seed,
                               exclude=set(votes.used) if votes else set())
@@ -172,6 +176,16 @@ def run(composed: DictConfig) -> dict:
     (run_dir / "leaderboard.md").write_text(markdown(result), encoding="utf-8")
     plot(result, run_dir / "leaderboard.png")
     return result
+
+
+def write_judgments(path: Path, lines: list[dict], name: str) -> None:
+    """The first output written: one that cannot be written leaves every earlier one as it was."""
+    try:
+        write_jsonl(path, lines)
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be written ({exc.strerror or exc}); no output was "
+                          "replaced: move what is there or free disk space, or give this board "
+                          f"its own name= (name={name})") from None
 
 
 def board_inputs(checkpoint, bench) -> dict:

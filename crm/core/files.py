@@ -22,6 +22,23 @@ def write_json(path: str | Path, obj) -> Path:
     return path
 
 
+def write_jsonl(path: str | Path, rows) -> Path:
+    """`rows` as JSON Lines at `path`, via a temporary file as `write_json`. An OSError leaves
+    an earlier file at `path` as it was, and no temporary file behind."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(finite(row), ensure_ascii=False, allow_nan=False) + "\n")
+        tmp.replace(path)
+    except OSError:
+        if tmp.is_file():
+            tmp.unlink()
+        raise
+    return path
+
+
 def finite(obj):
     """`obj` with NaN and infinities as None: Python writes them as NaN and Infinity, which is not
     JSON and most parsers refuse. A figure that can be undefined says why beside its null."""

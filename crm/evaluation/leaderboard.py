@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from crm.core.errors import ConfigError
-from crm.core.examples import LABEL_A, LABEL_B, PairExample, verdict
+from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, PairExample, verdict
 from crm.core.records import BenchRecord, RecordError, read_lines
 from crm.evaluation.ppi import MIN_VOTES, CellData, Estimate, ppi_group, rank_sets
 from crm.evaluation.slot_bias import measure_slot_bias
@@ -140,6 +140,13 @@ class Outcome:
     result: str  # WIN, TIE or LOSS against the baseline
     p_win: float  # P(the model's response is preferred)
     idx: str = ""  # the benchmark query it answers
+    p_tie: float = 0.0  # after idx: callers pass idx by position; 0 from a head without a tie class
+
+    @property
+    def p_loss(self) -> float:
+        # The three sum to one (a softmax, or the mean of two); max: rounding must not make a
+        # probability negative.
+        return max(0.0, 1.0 - self.p_win - self.p_tie)
 
 
 def pairs(selection: Selection, criteria: Sequence[str]) -> list[tuple[str, str, PairExample]]:
@@ -185,7 +192,7 @@ def judge(scorer, selection: Selection, criteria: Sequence[str],
             continue
         v = verdict(p)
         result = WIN if v == LABEL_B else LOSS if v == LABEL_A else TIE
-        outcomes.append(Outcome(model, e.topic, result, p[LABEL_B], idx))
+        outcomes.append(Outcome(model, e.topic, result, p[LABEL_B], idx, p[LABEL_TIE]))
     return outcomes
 
 
@@ -409,6 +416,7 @@ class Board:
     slot_bias: dict | None = None
     unscorable: dict | None = None  # pairs too long to fit, their queries left out (`judge`)
     used: int = 0  # the queries it ranks on: the selection's, less those left out
+    outcomes: list[Outcome] = field(default_factory=list, repr=False)  # judgments.jsonl's
 
     def as_dict(self) -> dict:
         return {"label": self.label, "criteria": list(self.criteria), "used": self.used,
@@ -448,7 +456,13 @@ def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "cr
     return Board(label, tuple(criteria),
                  win_rates(outcomes, selection.models, selection.topics, interval, votes),
                  interval_method(interval, votes), both_orders, bias, unscorable,
-                 len(selection.records) - (unscorable["queries"] if unscorable else 0))
+                 len(selection.records) - (unscorable["queries"] if unscorable else 0), outcomes)
+
+
+def judgment(board: str, o: Outcome) -> dict:
+    """A line of judgments.jsonl: the verdict the board `board` counted for one pair."""
+    return {"board": board, "idx": o.idx, "topic": o.topic, "model": o.model, "verdict": o.result,
+            "p_win": round(o.p_win, 6), "p_tie": round(o.p_tie, 6), "p_loss": round(o.p_loss, 6)}
 
 
 def examples_counts(selection: Selection, boards: Sequence[Board]) -> dict:
@@ -464,9 +478,11 @@ def examples_counts(selection: Selection, boards: Sequence[Board]) -> dict:
 def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
                 contrast: Sequence[str] | None = None, both_orders: bool = False,
                 labels: tuple[str, str] = ("criteria", "contrast"),
-                interval: Bootstrap = Bootstrap(), votes=None, slot_sample: int = 0) -> dict:
+                interval: Bootstrap = Bootstrap(), votes=None, slot_sample: int = 0,
+                judgments: list[dict] | None = None) -> dict:
     """The leaderboard.json document: counts, rejects, one board per criteria set and, with a
-    contrast set, the Kendall tau between the two rankings.
+    contrast set, the Kendall tau between the two rankings. Given a `judgments` list, the lines
+    of judgments.jsonl go there: a `judgment` per judged pair, board by board.
 
     `votes` (crm.evaluation.votes.Votes) are the user's verdicts under `criteria`: they make that
     board's intervals PPI's (interval.method auto or ppi). A contrast board has no votes of its
@@ -491,4 +507,6 @@ def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
            "rejects": list(selection.rejects), "boards": [b.as_dict() for b in boards]}
     if contrast:
         out["kendall_tau"] = kendall_tau(boards[0].rows, boards[1].rows)
+    if judgments is not None:
+        judgments.extend(judgment(b.label, o) for b in boards for o in b.outcomes)
     return out

@@ -2,6 +2,7 @@
 by similarity, bad input refused before any model call, the model gate, the page's rendering."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -113,6 +114,15 @@ def test_a_criteria_set_is_scored_once_and_topics_only_filter(tmp_path):
         lb.examples(criteria, lb.choose(None), "m9")
 
 
+def test_the_drill_down_shows_the_tie_probability(tmp_path):
+    lb = service(tmp_path, scorer=tiny_scorer(num_labels=3))  # a head with a tie class
+    criteria = lb.criteria("be brief")
+    drill = lb.examples(criteria, lb.choose(None), "m1")
+    p_tie = {o.idx: round(o.p_tie, 4) for o in lb.verdicts(criteria) if o.model == "m1"}
+    assert [r["p_tie"] for r in drill] == [p_tie[r["idx"]] for r in drill]
+    assert all(0 < r["p_tie"] < 1 - r["p_win"] for r in drill)
+
+
 def test_the_board_equals_crm_leaderboard_arithmetic(tmp_path):
     """Judging every topic then filtering gives leaderboard()'s rows for the selected topics."""
     lb = service(tmp_path)
@@ -175,7 +185,7 @@ def test_crm_fingerprint_follows_the_files(tmp_path):
 
 
 def test_verdict_cache_memory_lru_disk_bound_and_damage(tmp_path, caplog):
-    outcomes = [Outcome("m1", "t", "win", 0.75, "q0"), Outcome("m2", "t", "loss", 0.25, "q0")]
+    outcomes = [Outcome("m1", "t", "win", 0.75, "q0", 0.05), Outcome("m2", "t", "loss", 0.25, "q0")]
     fields = [{"crm": "a", "criteria": [f"c{i}"]} for i in range(3)]
     cache = VerdictCache(tmp_path / "v", memory_entries=1, disk_entries=2)
     for f in fields:
@@ -197,6 +207,18 @@ def test_verdict_cache_memory_lru_disk_bound_and_damage(tmp_path, caplog):
     assert len(warnings) == 2 and all("ignoring the cached verdicts" in w for w in warnings)
     assert "fields differ" in warnings[1]
     assert VerdictCache(None).get(fields[0]) is None  # memory only
+
+
+def test_verdicts_cached_before_p_tie_was_kept_are_scored_again(tmp_path):
+    """A file of cache format 1 (outcomes without P(tie)) is never found: its key was made with
+    its format, so the app scores the criteria again rather than show every P(tie) as 0."""
+    fields = {"crm": "a", "criteria": ["c"]}
+    old_key = hashlib.sha256(json.dumps({"format": 1, **fields}, sort_keys=True,
+                                        ensure_ascii=False).encode()).hexdigest()
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / f"{old_key}.json").write_text(json.dumps(
+        {"format": 1, "fields": fields, "outcomes": [["m1", "t", "tie", 0.3, "q0"]]}))
+    assert VerdictCache(tmp_path / "v").get(fields) is None
 
 
 def test_lru_forgets_the_least_recently_used():

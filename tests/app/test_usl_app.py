@@ -250,6 +250,7 @@ def test_the_page_default_then_customized_board(app, page, tmp_path):
     page.locator("#drill-model input").click()
     page.get_by_role("option", name=rows[0][2]).click()
     expect(page.locator("#drill")).to_contain_text("P(win)")
+    expect(page.locator("#drill")).to_contain_text("P(tie)")
     assert row_count(page, "#drill") == sum(
         1 for line in app["bench"].read_text().splitlines()
         if json.loads(line)["topic"] in app["topics"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import glyphs_the_font_lacks
+from helpers import glyphs_the_font_lacks, refused
 from scorers import export_tiny, run_cli, tiny_scorer
 
 from crm.cli.leaderboard import run
@@ -130,6 +130,9 @@ def test_judge_puts_the_baseline_in_slot_a_and_counts_wins_ties_losses(tmp_path)
     assert first.criteria == ("be brief",) and first.query == "question 0"
     assert [o.result for o in outcomes if o.model == "m1"] == [WIN, TIE, TIE, WIN, LOSS]
     assert outcomes[0].p_win == pytest.approx(StubScorer.TABLE["win"][LABEL_B])
+    # the tie class's probability kept; P(loss) is the baseline's slot, A
+    tie = [o for o in outcomes if o.model == "m1"][2]  # StubScorer's "tie": [0.2, 0.2, 0.6]
+    assert (tie.p_win, tie.p_tie, tie.p_loss) == pytest.approx((0.2, 0.6, 0.2))
     rows = win_rates(outcomes, selection.models, selection.topics)
     by = {r["model"]: r for r in rows}
     assert by["m2"]["overall"]["win_rate"] == 0.8 and by["m2"]["rank"] == 1
@@ -380,9 +383,12 @@ def test_a_board_leaves_out_a_query_too_long_to_fit_for_every_model_and_counts_i
         bench_line(0, "t", {"base": "alpha", "m1": "beta", "m2": turns}),
         bench_line(1, "t", {"base": "alpha", "m1": "beta", "m2": "beta two"})])
     scorer = tiny_scorer(max_tokens=300)
-    doc = leaderboard(scorer, select(path, "base"), ["concise answer"])
+    judgments = []
+    doc = leaderboard(scorer, select(path, "base"), ["concise answer"], judgments=judgments)
     (board,) = doc["boards"]
     assert board["unscorable"] == {"pairs": 1, "queries": 1, "first": ["0/m2"]}
+    # a query left out is judged for no model: judgments.jsonl has no line of it
+    assert [(j["idx"], j["model"]) for j in judgments] == [("1", "m1"), ("1", "m2")]
     assert [r["overall"]["n"] for r in board["rows"]] == [1, 1]
     assert ("1 queries left out for every model: 1 pairs cannot fit the CRM's tokens (first: 0/m2)"
             in markdown(doc))
@@ -481,6 +487,50 @@ def test_crm_leaderboard_writes_json_md_png(tmp_path):
     assert saved["sequences"]["prefix_sequences"] == saved["sequences"]["sequences"] == 2 * 9
     assert (run_dir / "leaderboard.md").read_text() == markdown(saved)
     assert (run_dir / "leaderboard.png").stat().st_size > 10_000
+    # judgments.jsonl: a line per judged pair, board by board, whose verdicts are the boards' counts
+    lines = [json.loads(x) for x in (run_dir / "judgments.jsonl").read_text().splitlines()]
+    assert [j["board"] for j in lines] == ["concise"] * 9 + ["detailed"] * 9
+    assert set(lines[0]) == {"board", "idx", "topic", "model", "verdict", "p_win", "p_tie",
+                             "p_loss"}
+    for board in saved["boards"]:
+        for row in board["rows"]:
+            verdicts = [j["verdict"] for j in lines
+                        if j["board"] == board["label"] and j["model"] == row["model"]]
+            counts = row["overall"]
+            assert [verdicts.count(v) for v in (WIN, TIE, LOSS)] == [
+                counts["wins"], counts["ties"], counts["losses"]]
+    for j in lines:  # the two-way head: no tie class
+        assert j["p_tie"] == 0 and j["p_win"] + j["p_loss"] == pytest.approx(1, abs=2e-6)
+        assert j["verdict"] == (WIN if j["p_win"] > j["p_loss"] else LOSS)
+        assert j["topic"] == "t2"
+
+
+def test_a_judgments_file_that_cannot_be_written_replaces_no_output(tmp_path, capsys,
+                                                                   monkeypatch):
+    """One line, exit 2; an earlier run's outputs (of the same inputs, so the run may replace
+    them) and what is in the way stay as they were."""
+    from crm.cli.leaderboard import main
+
+    export = export_tiny(tmp_path / "export")
+    bench = demo_like_bench(tmp_path)
+    run_dir = tmp_path / "run"
+    (run_dir / "judgments.jsonl").mkdir(parents=True)
+    (run_dir / "judgments.jsonl" / "notes.txt").write_text("mine")
+    earlier = json.dumps({"model": str(export), "bench": str(bench)})
+    (run_dir / "leaderboard.json").write_text(earlier)
+    capsys.readouterr()  # the export's progress bar
+    line = refused(capsys, monkeypatch, main, "crm-leaderboard", f"checkpoint={export}",
+                   f"bench={bench}", "baseline=base", "criteria=[concise answer]",
+                   "progress=false", f"hydra.run.dir={run_dir}")
+    assert line == (
+        f"crm-leaderboard: {run_dir / 'judgments.jsonl'} cannot be written (Is a directory); no output was "
+        "replaced: move what is there or free disk space, or give this board its own name= "
+        "(name=default)")
+    assert (run_dir / "leaderboard.json").read_text() == earlier
+    assert (run_dir / "judgments.jsonl" / "notes.txt").read_text() == "mine"
+    # no other output, and no temporary file left
+    assert {p.name for p in run_dir.iterdir()} == {".hydra", "leaderboard.log", "judgments.jsonl",
+                                                   "leaderboard.json"}
 
 
 def test_default_mode_ranks_under_the_generic_criterion(tmp_path):
