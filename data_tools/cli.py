@@ -207,6 +207,9 @@ def _criteria(args) -> int:
     print(f"{args.votes}: {summary['read']} votes read = {summary['written']} written to "
           f"{out / 'train.jsonl'} + {summary['rejected']} rejected"
           + (f" ({by_stage}; see {out / 'rejects.jsonl'})" if by_stage else "") + note)
+    if summary["tie_records"]:
+        print(f"  + {summary['tie_records']} tie records beside them: criteria on which a decisive "
+              "vote's two answers are equally good")
     for r in summary["top_reasons"]:
         print(f"  {r['stage']}: {r['reason']} x{r['count']}")
     print(f"{summary['asked']} asked ({summary['cached_before']} answered before), "
@@ -292,7 +295,8 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "criteria", help="votes -> the criteria under which each side wins, from an LLM",
         description="For each human vote, ask an OpenAI-compatible endpoint (vLLM, SGLang, OpenAI) "
-                    "for the criteria under which response A, and response B, is preferred; write "
+                    "for the criteria under which response A, and response B, is preferred, and "
+                    "those under which the two are equally good (tie records); write "
                     "OUT_DIR/train.jsonl (training format, with criteria topics), rejects.jsonl, "
                     "summary.json. Answers are cached in OUT_DIR/answers.jsonl as they arrive: "
                     "rerun the same command after a crash to continue. The API key is read from "

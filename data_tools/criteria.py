@@ -2,7 +2,8 @@
 
 Any OpenAI-compatible endpoint (vLLM, SGLang, OpenAI) through the official client (`AsyncOpenAI`).
 Each vote is one chat request: the query, then response A, then response B, with a structured
-output (a JSON schema) whose properties are `a_criteria` and `b_criteria`.
+output (a JSON schema) whose properties are `a_criteria`, `b_criteria` and `tie_criteria` (the
+criteria on which the two responses are equally good; may be empty).
 
 Run like a batch job that costs money:
 - at most `concurrency` requests in flight; 429s, 5xx, timeouts and connection errors are retried
@@ -14,9 +15,11 @@ Run like a batch job that costs money:
   OUT_DIR/answers.jsonl, keyed by (vote id, vote text hash, prompt hash, model): the same command
   after a crash or a kill -9 asks only the votes it has no answer for, and pays for none twice.
 Output (rebuilt from the cache at the end of every run): train.jsonl in the training format, each
-vote once, in input order; rejects.jsonl (the vote's id and line, the stage and reason, the raw
-answer when there was one); summary.json (votes read = written + rejected; this run's requests,
-retries and tokens). Then `crm-data topics` fills the criteria topics (data_tools/topics.py).
+vote once, in input order, a decisive vote followed by its tie record when the answer named tie
+criteria (`write_vote`); rejects.jsonl (the vote's id and line, the stage and reason, the raw
+answer when there was one); summary.json (votes read = written + rejected, and the tie records;
+this run's requests, retries and tokens). Then `crm-data topics` fills the criteria topics
+(data_tools/topics.py).
 """
 from __future__ import annotations
 
@@ -42,10 +45,12 @@ from data_tools.votes import Vote, read_votes
 PROMPT = Path(__file__).with_name("criteria_prompt.yaml")
 PLACEHOLDERS = ("{query}", "{response_a}", "{response_b}")
 SIDES = ("a_criteria", "b_criteria")
+TIE = "tie_criteria"  # criteria on which the two responses are equally good: may be empty
+KEYS = (*SIDES, TIE)
 SCHEMA = {
     "type": "object",
-    "properties": {side: {"type": "array", "items": {"type": "string"}} for side in SIDES},
-    "required": list(SIDES),
+    "properties": {key: {"type": "array", "items": {"type": "string"}} for key in KEYS},
+    "required": list(KEYS),
     "additionalProperties": False,
 }
 RESPONSE_FORMAT = {"type": "json_schema",
@@ -83,6 +88,12 @@ class CriteriaPrompt:
         for placeholder in PLACEHOLDERS:
             if spec["user"].count(placeholder) != 1:
                 raise ValueError(f"{path}: `user` must contain {placeholder} exactly once")
+        # A prompt that never asks for a key of the schema (one written before tie_criteria) gets
+        # answers the model has to guess for it: refused before any request is paid for.
+        for key in KEYS:
+            if key not in spec.get("system", "") + spec["user"]:
+                raise ValueError(f"{path}: the prompt never names {key!r}, a key of the answer's "
+                                 f"schema ({', '.join(KEYS)}): ask for it (see {PROMPT})")
         return cls(spec.get("system", "").strip(), spec["user"].strip(), str(path))
 
     @cached_property  # asked for every vote: the same wording and schema each time
@@ -121,7 +132,8 @@ class AnswerError(ValueError):
 
 
 def read_answer(text: str | None, finish_reason: str | None = None) -> dict[str, list[str]]:
-    """{a_criteria, b_criteria} from the model's answer, or AnswerError (retry=False: final)."""
+    """{a_criteria, b_criteria, tie_criteria} from the model's answer, or AnswerError (retry=False:
+    final). Only tie_criteria may be empty: some pairs differ on everything a user could name."""
     if not text or not text.strip():
         raise AnswerError(f"empty answer (finish_reason={finish_reason})")
     try:
@@ -129,13 +141,13 @@ def read_answer(text: str | None, finish_reason: str | None = None) -> dict[str,
     except (json.JSONDecodeError, RecursionError) as exc:
         hint = " (cut at max tokens: raise --max-tokens)" if finish_reason == "length" else ""
         raise AnswerError(f"not JSON: {getattr(exc, 'msg', exc)}{hint}") from None
-    if not isinstance(obj, dict) or set(obj) != set(SIDES):
+    if not isinstance(obj, dict) or set(obj) != set(KEYS):
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise AnswerError(f"breaks the schema: expected the keys {list(SIDES)}, got {keys}")
-    for side in SIDES:
-        items = obj[side]
+        raise AnswerError(f"breaks the schema: expected the keys {list(KEYS)}, got {keys}")
+    for key in KEYS:
+        items = obj[key]
         if not isinstance(items, list) or not all(isinstance(c, str) and c.strip() for c in items):
-            raise AnswerError(f"breaks the schema: {side} is not a list of non-blank strings")
+            raise AnswerError(f"breaks the schema: {key} is not a list of non-blank strings")
     for side in SIDES:
         if not obj[side]:
             raise AnswerError(f"empty {side}", retry=False)
@@ -389,7 +401,7 @@ def _messages(conversation: Conversation) -> list[dict]:
 def _write_outputs(votes_path, fmt, out: Path, prompt: CriteriaPrompt, cfg: AskConfig,
                    cache: AnswerCache, failed: dict[str, str]) -> dict:
     """train.jsonl and rejects.jsonl in input order, from the cache; summary.json."""
-    counts, reasons = Counter(), Counter()
+    counts, reasons, shapes = Counter(), Counter(), Counter()
     train_tmp, rejects_tmp = out / (TRAIN + ".tmp"), out / (REJECTS + ".tmp")
     with open(train_tmp, "w", encoding="utf-8") as train, open(rejects_tmp, "w", encoding="utf-8") as rejects:
         def reject(row_id, line, stage, reason, field="", answer=None):
@@ -410,25 +422,54 @@ def _write_outputs(votes_path, fmt, out: Path, prompt: CriteriaPrompt, cfg: AskC
             entry = cache.get(_key(vote, prompt, cfg))
             if entry is None:
                 reject(vote.id, vote.line, "request", failed.get(vote.id, "not asked"))
-            elif "reject" in entry:
-                reject(vote.id, vote.line, "answer", entry["reject"], answer=entry["answer"])
-            else:
-                counts["written"] += 1
-                train.write(json.dumps({
-                    "idx": vote.id, "human_winner": vote.winner, "model_a": _messages(vote.model_a),
-                    "model_b": _messages(vote.model_b), "a_criteria": entry["a_criteria"],
-                    "b_criteria": entry["b_criteria"]}, ensure_ascii=False) + "\n")
+                continue
+            try:
+                if "reject" in entry:
+                    raise AnswerError(entry["reject"])
+                records = vote_records(vote, entry)
+            except AnswerError as err:
+                reject(vote.id, vote.line, "answer", err.reason, answer=entry["answer"])
+                continue
+            counts["written"] += 1
+            counts["tie_records"] += len(records) - 1
+            for record in records:
+                shapes[record["shape"]] += 1
+                train.write(json.dumps(record, ensure_ascii=False) + "\n")
     train_tmp.replace(out / TRAIN)
     rejects_tmp.replace(out / REJECTS)
     rejected = {stage: counts[f"rejected_{stage}"] for stage in ("input", "answer", "request")}
     summary = {"votes": str(votes_path), "base_url": cfg.base_url, "model": cfg.model,
                "prompt": prompt.path, "prompt_hash": prompt.hash, "read": counts["read"],
                "written": counts["written"], "rejected": sum(rejected.values()),
-               "rejected_by_stage": rejected,
+               "rejected_by_stage": rejected, "tie_records": counts["tie_records"],
+               "shapes": dict(sorted(shapes.items())),
                "top_reasons": [{"stage": stage, "reason": reason, "count": n}
                                for (stage, reason), n in reasons.most_common(5)]}
     assert summary["read"] == summary["written"] + summary["rejected"]
+    assert sum(shapes.values()) == summary["written"] + summary["tie_records"]
     return summary
+
+
+def vote_records(vote: Vote, answer: dict) -> list[dict]:
+    """A vote's training records (docs/DATA_PIPELINE.md section 2). A decisive vote: its record
+    (each side's criteria, shape decides), then, when the answer named any, a tie record under
+    `<id>:tie`: the criteria on which both responses are equally good, on both sides, labelled tie.
+    A tie vote: the tie record alone, under the vote's id. Each side's own criteria name what that
+    side does better, under which the user's rule gives it the pair, not the tie the voter saw.
+    AnswerError when a tie vote's answer names no tie criteria: nothing to label its tie with."""
+    pair = {"model_a": _messages(vote.model_a), "model_b": _messages(vote.model_b)}
+    tie = answer[TIE]
+    tie_record = {"human_winner": "tie", **pair, "a_criteria": tie, "b_criteria": tie, "shape": "tie"}
+    if vote.winner == "tie":
+        if not tie:
+            raise AnswerError(f"a tie vote, but {TIE} is empty: the answer names nothing the two "
+                              "responses do equally well, so no criteria hold the tie", retry=False)
+        return [{"idx": vote.id, **tie_record}]
+    records = [{"idx": vote.id, "human_winner": vote.winner, **pair, "a_criteria": answer["a_criteria"],
+                "b_criteria": answer["b_criteria"], "shape": "decides"}]
+    if tie:
+        records.append({"idx": f"{vote.id}:tie", **tie_record})
+    return records
 
 
 def write_summary(out_dir: str | Path, summary: dict) -> None:

@@ -3,13 +3,15 @@
 
 It reads the vote from the request's user message (the <query>, <response_a> and <response_b>
 blocks of data_tools/criteria_prompt.yaml) and answers the criteria `criteria(query, response_a,
-response_b)` gives, by default ones made from the responses' first words. Faults are scripted per
-vote: `faults={marker: [kind, ...]}` makes the n-th request of a vote whose query contains
-`marker` end as the n-th kind (then "ok"). Kinds:
+response_b)` gives (a_criteria, b_criteria, tie_criteria), by default ones made from the responses'
+first words, the tie's from the words both responses hold (none when they share no word). Faults
+are scripted per vote: `faults={marker: [kind, ...]}` makes the n-th request of a vote whose query
+contains `marker` end as the n-th kind (then "ok"). Kinds:
   429, 500          an HTTP error (the 429 with Retry-After: 0)
   slow              the answer after `slow_seconds` (past the client's timeout)
   drop              the connection closed without a response
   badjson, schema   a 200 whose content is not JSON / is JSON that breaks the schema
+  notie             a 200 without tie_criteria (a server or prompt of before tie criteria)
   empty             a 200 with an empty a_criteria list
   ok                the criteria
 `answers` counts, per query, the 200 answers that reached the socket; `requests` every request.
@@ -30,7 +32,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 BLOCKS = re.compile(r"<query>\n(.*?)\n</query>.*?<response_a>\n(.*?)\n</response_a>.*?"
                     r"<response_b>\n(.*?)\n</response_b>", re.S)
-KINDS = ("429", "500", "slow", "drop", "badjson", "schema", "empty", "ok")
+KINDS = ("429", "500", "slow", "drop", "badjson", "schema", "notie", "empty", "ok")
+KEYS = {"a_criteria", "b_criteria", "tie_criteria"}
 
 
 class _Server(ThreadingHTTPServer):
@@ -44,9 +47,12 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def first_words_criteria(query: str, response_a: str, response_b: str) -> tuple[list[str], list[str]]:
+def first_words_criteria(query: str, response_a: str,
+                         response_b: str) -> tuple[list[str], list[str], list[str]]:
+    shared = [w for w in response_a.split() if w in response_b.split()]
     return ([f"Prefers an answer that opens with '{' '.join(response_a.split()[:3])}'"],
-            [f"Prefers an answer that opens with '{' '.join(response_b.split()[:3])}'"])
+            [f"Prefers an answer that opens with '{' '.join(response_b.split()[:3])}'"],
+            [f"Wants an answer that says '{' '.join(shared[:3])}'"] if shared else [])
 
 
 class StubLLM:
@@ -125,7 +131,7 @@ class StubLLM:
                 user = [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
                 blocks = BLOCKS.search(user)
                 schema = body.get("response_format", {}).get("json_schema", {}).get("schema", {})
-                if not blocks or set(schema.get("required", ())) != {"a_criteria", "b_criteria"}:
+                if not blocks or set(schema.get("required", ())) != KEYS:
                     return self._send(400, {"error": {"message": "expected the criteria prompt and schema"}})
                 query, response_a, response_b = blocks.groups()
                 kind = stub._next_kind(query)
@@ -138,12 +144,13 @@ class StubLLM:
                     return None
                 if kind == "slow":
                     time.sleep(stub.slow_seconds)
-                a, b = stub.criteria(query, response_a, response_b)
+                a, b, tie = stub.criteria(query, response_a, response_b)
                 content = {
                     "badjson": "Sure! Response A is better because it is concise.",
                     "schema": json.dumps({"a_criteria": "concise", "reason": "shorter"}),
-                    "empty": json.dumps({"a_criteria": [], "b_criteria": b}),
-                }.get(kind, json.dumps({"a_criteria": a, "b_criteria": b}))
+                    "notie": json.dumps({"a_criteria": a, "b_criteria": b}),
+                    "empty": json.dumps({"a_criteria": [], "b_criteria": b, "tie_criteria": tie}),
+                }.get(kind, json.dumps({"a_criteria": a, "b_criteria": b, "tie_criteria": tie}))
                 answer = {
                     "id": "chatcmpl-stub", "object": "chat.completion", "created": int(time.time()),
                     "model": body["model"],

@@ -17,9 +17,10 @@ from vote_files import arena_55k_row, write_csv, write_jsonl, write_parquet
 
 from crm.core.records import Message, read_lines
 from data_tools.cli import main
-from data_tools.criteria import (ANSWERS, RESPONSE_FORMAT, AnswerCache, AnswerError, CriteriaPrompt,
-                                 read_answer, render_response)
-from data_tools.votes import Vote
+import data_tools.criteria
+from data_tools.criteria import (ANSWERS, KEYS, RESPONSE_FORMAT, SCHEMA, SIDES, AnswerCache,
+                                 AnswerError, CriteriaPrompt, read_answer, render_response, vote_hash)
+from data_tools.votes import Vote, read_votes
 
 FAST = ["--model", "stub", "--backoff", "0.01", "--no-progress", "--concurrency", "4", "--k", "3"]
 
@@ -63,7 +64,8 @@ def test_prompt_shows_the_query_then_a_then_b():
     assert text.index("How do I boil an egg?") < text.index("Nine minutes.") < text.index("Ask a chef")
     # a vote's text that looks like a placeholder stays text
     assert "Ask a chef {response_b}." in text and text.count("Nine minutes.") == 1
-    assert RESPONSE_FORMAT["json_schema"]["schema"]["required"] == ["a_criteria", "b_criteria"]
+    assert RESPONSE_FORMAT["json_schema"]["schema"]["required"] == ["a_criteria", "b_criteria",
+                                                                   "tie_criteria"]
     assert len(prompt.hash) == 16 and prompt.hash == CriteriaPrompt.load().hash
 
 
@@ -86,23 +88,55 @@ def test_an_edited_prompt_has_another_hash_and_a_broken_one_is_refused(tmp_path)
             CriteriaPrompt.load(edited)
 
 
+def test_a_prompt_that_never_asks_for_tie_criteria_is_refused_before_any_request(tmp_path, capsys):
+    """A copy of the prompt made before tie criteria: the model would have to guess the key."""
+    default = CriteriaPrompt.load()
+    old = tmp_path / "old_prompt.yaml"
+    old.write_text(json.dumps({"system": default.system.replace("tie_criteria", ""),
+                               "user": default.user.replace("tie_criteria", "ties")}))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train.jsonl").write_text("the user's earlier output\n")
+    with StubLLM() as stub:
+        code, _, err = run(capsys, "criteria", votes_csv(tmp_path / "votes.csv", ["q1"]), out,
+                           "--base-url", stub.url, *FAST, "--prompt", old)
+        assert sum(stub.requests.values()) == 0
+    assert code == 2
+    assert err.splitlines() == [f"crm-data criteria: {old}: the prompt never names 'tie_criteria', a "
+                                "key of the answer's schema (a_criteria, b_criteria, tie_criteria): "
+                                f"ask for it (see {data_tools.criteria.PROMPT})"]
+    assert (out / "train.jsonl").read_text() == "the user's earlier output\n"
+    assert sorted(p.name for p in out.iterdir()) == ["train.jsonl"]
+
+
+NO_TIE = '"tie_criteria": []'
+KEYS_LIST = "['a_criteria', 'b_criteria', 'tie_criteria']"
+
+
 @pytest.mark.parametrize("text, reason, retry", [
     (None, "empty answer", True),
     ("Sure! A is better.", "not JSON", True),
     ('{"a_criteria": ["x"]', "not JSON", True),
-    ('["x"]', "breaks the schema: expected the keys ['a_criteria', 'b_criteria'], got list", True),
-    ('{"a_criteria": ["x"], "b_criteria": ["y"], "why": 1}', "breaks the schema", True),
-    ('{"a_criteria": "x", "b_criteria": ["y"]}', "a_criteria is not a list of non-blank strings", True),
-    ('{"a_criteria": ["x", " "], "b_criteria": ["y"]}', "a_criteria is not a list", True),
-    ('{"a_criteria": ["x"], "b_criteria": [2]}', "b_criteria is not a list", True),
-    ('{"a_criteria": ["x"], "b_criteria": []}', "empty b_criteria", False),
+    ('["x"]', f"breaks the schema: expected the keys {KEYS_LIST}, got list", True),
+    ('{"a_criteria": ["x"], "b_criteria": ["y"], %s, "why": 1}' % NO_TIE, "breaks the schema", True),
+    # an answer of the schema before tie criteria
+    ('{"a_criteria": ["x"], "b_criteria": ["y"]}',
+     f"breaks the schema: expected the keys {KEYS_LIST}, got ['a_criteria', 'b_criteria']", True),
+    ('{"a_criteria": "x", "b_criteria": ["y"], %s}' % NO_TIE,
+     "a_criteria is not a list of non-blank strings", True),
+    ('{"a_criteria": ["x", " "], "b_criteria": ["y"], %s}' % NO_TIE, "a_criteria is not a list", True),
+    ('{"a_criteria": ["x"], "b_criteria": [2], %s}' % NO_TIE, "b_criteria is not a list", True),
+    ('{"a_criteria": ["x"], "b_criteria": ["y"], "tie_criteria": "z"}', "tie_criteria is not a list", True),
+    ('{"a_criteria": ["x"], "b_criteria": ["y"], "tie_criteria": [""]}', "tie_criteria is not a list", True),
+    ('{"a_criteria": ["x"], "b_criteria": [], %s}' % NO_TIE, "empty b_criteria", False),
 ])
-def test_read_answer_rejects_what_is_not_two_lists_of_criteria(text, reason, retry):
+def test_read_answer_rejects_what_is_not_three_lists_of_criteria(text, reason, retry):
     with pytest.raises(AnswerError) as info:
         read_answer(text)
     assert reason in info.value.reason and info.value.retry is retry
-    assert read_answer('{"b_criteria": ["y"], "a_criteria": ["Prefers x"]}') == {
-        "a_criteria": ["Prefers x"], "b_criteria": ["y"]}
+    # tie_criteria may be empty: some pairs differ in everything a user could name
+    assert read_answer('{"b_criteria": ["y"], "tie_criteria": [], "a_criteria": ["Prefers x"]}') == {
+        "a_criteria": ["Prefers x"], "b_criteria": ["y"], "tie_criteria": []}
     with pytest.raises(AnswerError, match="raise --max-tokens"):
         read_answer('{"a_criteria": ["x', finish_reason="length")
 
@@ -124,10 +158,14 @@ FAULTS = {
     "q-drop-always": (["drop"] * 10, "request", "no answer after 3 attempts: APIConnectionError"),
     "q-badjson-always": (["badjson"] * 10, "answer", "not JSON: Expecting value (3 answers)"),
     "q-schema-always": (["schema"] * 10, "answer",
-                        "breaks the schema: expected the keys ['a_criteria', 'b_criteria'], got "
+                        f"breaks the schema: expected the keys {KEYS_LIST}, got "
                         "['a_criteria', 'reason'] (3 answers)"),
     "q-empty": (["empty"] * 10, "answer", "empty a_criteria"),
     "q-fine": ([], "written", None),
+    "q-notie-once": (["notie"], "written", None),
+    "q-notie-always": (["notie"] * 10, "answer",
+                       f"breaks the schema: expected the keys {KEYS_LIST}, got "
+                       "['a_criteria', 'b_criteria'] (3 answers)"),
 }
 
 
@@ -144,12 +182,18 @@ def test_every_fault_ends_in_a_row_or_a_reject_with_its_reason(tmp_path, capsys)
     rows = {r["idx"]: r for r in jsonl(out / "train.jsonl")}
     rejects = {r["id"]: r for r in jsonl(out / "rejects.jsonl")}
     assert summary["read"] == len(queries) == summary["written"] + summary["rejected"]
-    assert summary["written"] == len(rows) and summary["rejected"] == len(rejects)
+    # each written vote's record, and a decisive one's tie record (the stub's answers share words)
+    assert summary["written"] + summary["tie_records"] == len(rows)
+    assert summary["rejected"] == len(rejects)
     for i, (q, (script, ends, reason)) in enumerate(FAULTS.items()):
         if ends == "written":
             assert str(i) in rows and str(i) not in rejects, q
-            row = rows[str(i)]
-            assert row["a_criteria"] == ["Prefers an answer that opens with 'Answer A to'"]
+            row, tie = rows[str(i)], [f"Wants an answer that says 'Answer to {q}'"]
+            if i % 3 == 2:  # a tie vote (votes_csv): its record holds the criteria of its tie
+                assert (row["shape"], row["a_criteria"], row["b_criteria"]) == ("tie", tie, tie)
+            else:
+                assert row["a_criteria"] == ["Prefers an answer that opens with 'Answer A to'"]
+                assert (rows[f"{i}:tie"]["a_criteria"], rows[f"{i}:tie"]["shape"]) == (tie, "tie")
             assert row["model_a"] == [{"role": "user", "content": q},
                                       {"role": "assistant", "content": f"Answer A to {q}"}]
             assert len(row["a_broad_criteria_topic"]) == 1  # topics ran at the end
@@ -159,16 +203,80 @@ def test_every_fault_ends_in_a_row_or_a_reject_with_its_reason(tmp_path, capsys)
             assert r["reason"].startswith(reason), (q, r["reason"])
             assert ("answer" in r) == (ends == "answer")  # the model's raw answer, when it answered
     assert rejects["10"]["answer"] == "Sure! Response A is better because it is concise."
-    assert summary["rejected_by_stage"] == {"input": 0, "answer": 3, "request": 4}
+    assert summary["rejected_by_stage"] == {"input": 0, "answer": 4, "request": 4}
     # the client's counts are the server's: every request, and a retry for each but the first
     assert summary["requests"] == sum(requests.values())
     assert summary["retries"] == summary["requests"] - len(queries)
     assert requests["q-empty"] == 1  # an empty list is final: not asked again
     assert requests["q-429-always"] == 3 and requests["q-badjson-always"] == 3
+    assert requests["q-notie-always"] == 3
     assert summary["tokens_in"] > 0 and summary["tokens_out"] > 0
-    assert f"{len(queries)} votes read = 7 written" in stdout
+    assert f"{len(queries)} votes read = 8 written" in stdout
     # the output shards: every written row is a valid training record
     assert all(line.error is None for line in read_lines(out / "train.jsonl", "train"))
+
+
+# query marker -> the stub's tie criteria for that vote
+TIES = {"q-a-shared": ["Wants a polite answer"], "q-a-nothing": [],
+        "q-tie-shared": ["Wants a short answer", "Likes plain words"], "q-tie-nothing": []}
+
+
+def test_tie_criteria_become_tie_records_and_a_tie_vote_without_them_is_rejected(tmp_path, capsys):
+    winners = ("model_a", "model_b", "tie", "tie")
+    votes = write_csv(tmp_path / "votes.csv", [arena_55k_row(i, [q], [f"A to {q}"], [f"B to {q}"], w)
+                                               for i, (q, w) in enumerate(zip(TIES, winners))])
+    out = tmp_path / "out"
+    with StubLLM(criteria=lambda q, a, b: (["Likes A"], ["Likes B"], TIES[q])) as stub:
+        code, stdout, _ = run(capsys, "criteria", votes, out, "--base-url", stub.url, *FAST)
+        assert stub.requests["q-tie-nothing"] == 1  # final: asking again pays for the same judgement
+    assert code == 0, stdout
+    rows = jsonl(out / "train.jsonl")
+    pair = {0: ("A to q-a-shared", "B to q-a-shared"), 2: ("A to q-tie-shared", "B to q-tie-shared")}
+    shared = ["Wants a short answer", "Likes plain words"]
+    assert [(r["idx"], r["human_winner"], r["shape"], r["a_criteria"], r["b_criteria"]) for r in rows] == [
+        ("0", "model_a", "decides", ["Likes A"], ["Likes B"]),
+        ("0:tie", "tie", "tie", ["Wants a polite answer"], ["Wants a polite answer"]),
+        ("1", "model_b", "decides", ["Likes A"], ["Likes B"]),  # no tie criteria: no tie record
+        ("2", "tie", "tie", shared, shared),  # a tie vote: its record is its tie's
+    ]
+    assert [r["model_a"][1]["content"] for r in rows[:2]] == [pair[0][0]] * 2
+    assert rows[3]["model_b"][1]["content"] == pair[2][1]
+    rejects = jsonl(out / "rejects.jsonl")
+    assert [(r["id"], r["line"], r["stage"]) for r in rejects] == [("3", 5, "answer")]
+    assert rejects[0]["reason"].startswith("a tie vote, but tie_criteria is empty")
+    assert json.loads(rejects[0]["answer"])["tie_criteria"] == []  # the raw answer, kept
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["read"], summary["written"], summary["rejected"], summary["tie_records"]) == (4, 3, 1, 1)
+    assert summary["shapes"] == {"decides": 2, "tie": 2}
+    assert "4 votes read = 3 written" in stdout and "+ 1 tie record" in stdout
+    # topics fill the tie records' ids too, the same on both sides; every line is a training record
+    assert rows[1]["a_broad_criteria_topic"] == rows[1]["b_broad_criteria_topic"] != []
+    assert [line.record.shape for line in read_lines(out / "train.jsonl", "train")] == \
+        ["decides", "tie", "decides", "tie"]
+
+
+def test_an_answer_cached_before_tie_criteria_is_asked_again(tmp_path, capsys, monkeypatch):
+    """The schema is in the prompt hash, so an answer without tie_criteria is another key."""
+    old_schema = {**SCHEMA, "properties": {side: SCHEMA["properties"][side] for side in SIDES},
+                  "required": list(SIDES)}
+    monkeypatch.setattr(data_tools.criteria, "RESPONSE_FORMAT",
+                        {**RESPONSE_FORMAT, "json_schema": {**RESPONSE_FORMAT["json_schema"],
+                                                            "schema": old_schema}})
+    old_hash = CriteriaPrompt.load().hash  # today's wording under the old schema
+    monkeypatch.undo()
+    assert old_hash != CriteriaPrompt.load().hash and list(SCHEMA["properties"]) == list(KEYS)
+    votes = votes_csv(tmp_path / "votes.csv", ["q-old"])
+    out = tmp_path / "out"
+    out.mkdir()
+    old = {"id": "0", "vote_hash": vote_hash(next(read_votes(votes)).vote), "prompt_hash": old_hash,
+           "model": "stub", "answer": "{}", "usage": {}, "a_criteria": ["x"], "b_criteria": ["y"]}
+    (out / ANSWERS).write_text(json.dumps(old) + "\n")
+    with StubLLM() as stub:
+        assert run(capsys, "criteria", votes, out, "--base-url", stub.url, *FAST)[0] == 0
+        assert stub.requests["q-old"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["cached_before"], summary["asked"], summary["tie_records"]) == (0, 1, 1)
+    assert jsonl(out / "train.jsonl")[0]["a_criteria"] != ["x"]
 
 
 def test_rerun_asks_only_the_votes_without_an_answer(tmp_path, capsys):
@@ -260,7 +368,7 @@ def test_kill_9_then_rerun_writes_every_vote_once_and_pays_for_none_twice(tmp_pa
 
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-    rows = jsonl(out / "train.jsonl")
+    rows = [r for r in jsonl(out / "train.jsonl") if not r["idx"].endswith(":tie")]
     assert sorted(int(r["idx"]) for r in rows) == list(range(n))  # every vote, once
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["read"], summary["written"], summary["rejected"]) == (n, n, 0)
@@ -311,12 +419,14 @@ def round_trip_files(tmp_path: Path) -> dict[str, tuple[Path, list[tuple]]]:
 
 
 def test_every_vote_format_round_trips_to_shardable_rows(tmp_path, capsys):
-    with StubLLM() as stub:
+    # tie criteria for every vote: a tie vote's record holds them (the words the stub's default
+    # draws them from are not the ZH answers': they have no spaces)
+    with StubLLM(criteria=lambda q, a, b: (["Likes A"], ["Likes B"], ["Wants an answer"])) as stub:
         for name, (path, expected) in round_trip_files(tmp_path).items():
             out = tmp_path / f"out-{name}"
             code, stdout, _ = run(capsys, "criteria", path, out, "--base-url", stub.url, *FAST)
             assert code == 0, (name, stdout)
-            rows = jsonl(out / "train.jsonl")
+            rows = [r for r in jsonl(out / "train.jsonl") if not r["idx"].endswith(":tie")]
             assert [(r["idx"], r["human_winner"], r["model_a"], r["model_b"]) for r in rows] == expected
             assert all(r["a_criteria"] and r["b_criteria"] for r in rows)
             assert run(capsys, "shard", out / "train.jsonl", tmp_path / f"shards-{name}",

@@ -67,7 +67,9 @@ def test_readme_format_shards_and_trains(tmp_path):
 
 def arena_csv_from_demo(records: list[dict], path: Path) -> dict[tuple, tuple]:
     """The demo's training pairs as arena-55k votes; {(query, response A, response B) as the
-    criteria prompt shows them: (a_criteria, b_criteria)}, the answers the stub gives."""
+    criteria prompt shows them: (a_criteria, b_criteria, tie_criteria)}, the answers the stub
+    gives: a tie's criteria are its record's (criteria on which the two are equally good), a
+    decisive pair has none."""
     rows, truth = [], {}
     for r in records:
         turns = [(m["content"], a["content"], b["content"])
@@ -76,7 +78,8 @@ def arena_csv_from_demo(records: list[dict], path: Path) -> dict[tuple, tuple]:
                                   [t[2] for t in turns], r["human_winner"]))
         convs = [tuple(Message(m["role"], m["content"]) for m in r[side]) for side in ("model_a", "model_b")]
         key = (convs[0][0].content, render_response(convs[0]), render_response(convs[1]))
-        truth[key] = (r["a_criteria"], r["b_criteria"])
+        tie = r["a_criteria"] if r["human_winner"] == "tie" else []
+        truth[key] = (r["a_criteria"], r["b_criteria"], tie)
     write_csv(path, rows)
     return truth
 
@@ -100,8 +103,9 @@ def test_votes_to_a_crm_that_reads_criteria(tmp_path, monkeypatch, capsys):
     rows = {r["idx"]: r for r in map(json.loads, (data / "train.jsonl").read_text().splitlines())}
     for r in records:  # the criteria exactly as the model answered them, the vote as it was
         row = rows[r["idx"]]
-        assert (row["a_criteria"], row["b_criteria"], row["human_winner"]) == \
-            (r["a_criteria"], r["b_criteria"], r["human_winner"])
+        # a tie vote's record holds its tie criteria on both sides
+        a, b = (r["a_criteria"],) * 2 if r["human_winner"] == "tie" else (r["a_criteria"], r["b_criteria"])
+        assert (row["a_criteria"], row["b_criteria"], row["human_winner"]) == (a, b, r["human_winner"])
         assert (row["model_a"], row["model_b"]) == (r["model_a"], r["model_b"])
     assert summary["topics"]["topics"] == 12
     assert crm_data(["validate", str(data / "train.jsonl")]) == 0
