@@ -200,6 +200,15 @@ def type_name(annotation) -> str:
     return " or ".join(names)
 
 
+def _ties_left_out(run, ties: int) -> str:
+    """What leaves `ties` tie records out of the run, and the setting that trains them."""
+    if run.loss.kind == "pointwise":  # a pointwise CRM with keep is refused: the fix is the loss
+        return (f"transform.ties=drop leaves out the {ties} ties (a pointwise CRM's pair needs a "
+                "winner); loss=cls transform.ties=keep trains them (a 3-way head that can say tie)")
+    return (f"transform.ties=drop leaves out the {ties} ties; transform.ties=keep trains them (a "
+            "3-way head that can say tie)")
+
+
 def check_attention(attention: str, compiled: bool) -> None:
     """An attention implementation this machine cannot run (flash_attention_2 without flash-attn),
     refused before the model is built."""
@@ -220,8 +229,9 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
     `transform` whose direction needs the losing side's criteria, or noise that draws from a
     criteria pool the manifest lacks (read from the manifest, so refused in seconds, not after
     the tokenizer), are refused; a global batch larger than the data, a validation split too
-    small to mean anything, a curriculum warm-up as long as the run, validation or save intervals
-    past the run's last step and a run dir that will be resumed are one warning line each."""
+    small to mean anything, tie records that `transform.ties=drop` leaves out, a curriculum warm-up
+    as long as the run, validation or save intervals past the run's last step and a run dir that
+    will be resumed are one warning line each."""
     from crm.data.manifest import load_manifest
     from crm.data.transforms import check_one_sided, draws_from_pool
 
@@ -240,19 +250,28 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
                   for split in ("train", "val"))
     n_train = sum(s.eligible(keep_ties) for s in train)
     n_val = sum(s.eligible(keep_ties) for s in val)
+    dropped = {split: 0 if keep_ties else sum(s.ties for s in shards)
+               for split, shards in (("train", train), ("val", val))}
     where = f"data.path={run.data.path}" if not run.data.demo else f"the demo data ({shard_dir})"
     if n_train < world:
         raise ConfigError(f"{where}: {n_train} training records (manifest.json), fewer than the "
-                          f"{world} rank(s); did every line go to {shard_dir}/rejects.jsonl?")
+                          f"{world} rank(s); " + (_ties_left_out(run, dropped["train"]) if dropped["train"]
+                                                  else f"did every line go to {shard_dir}/rejects.jsonl?"))
     validates = run.trainer.get("limit_val_batches", 1.0) != 0
     if validates and n_val < world:
         # Lightning builds the validation loader at fit's start, even when no step validates; an
         # empty split is refused there only after the tokenizer is trained, inside a traceback.
-        raise ConfigError(f"{where}: {n_val} validation records (manifest.json), fewer than the "
-                          f"{world} rank(s): re-shard with --val-fraction 0.2 (`crm-data shard "
+        ties = f" ({_ties_left_out(run, dropped['val'])})" if dropped["val"] else ""
+        raise ConfigError(f"{where}: {n_val} validation records (manifest.json){ties}, fewer than "
+                          f"the {world} rank(s): re-shard with --val-fraction 0.2 (`crm-data shard "
                           "FILE.jsonl DIR --val-fraction 0.2`), or train without validation: "
                           "+trainer.limit_val_batches=0 (no val/loss, no best checkpoint, no early "
                           "stopping: the export is the final weights)")
+    if dropped["train"]:
+        # The stream skips them without a word: a user who made tie records (crm-data criteria's
+        # tie criteria) would train a CRM that never says tie.
+        log.warning("%s: %d of the %d training records are ties: %s", where, dropped["train"],
+                    n_train + dropped["train"], _ties_left_out(run, dropped["train"]))
     if run.global_batch_size > n_train:
         log.warning("global_batch_size=%d is larger than the %d training records: each optimizer "
                     "step repeats records; for a small set use a global batch of about a tenth of "

@@ -254,6 +254,51 @@ def test_settings_that_do_not_fit_a_small_set_are_one_warning_each(tmp_path, cap
     assert "name=mine" in warnings[5] and "this run resumes it" in warnings[5]
 
 
+def test_ties_a_run_drops_are_counted_at_start_and_all_ties_are_refused(root, caplog, capsys,
+                                                                        monkeypatch):
+    """A user who made tie records (crm-data criteria's tie criteria) learns that a run drops
+    them, and which setting keeps them, before the tokenizer is trained."""
+    from hydra import compose, initialize_config_module
+
+    from crm.cli.schema import settings
+    from crm.data.shard import shard
+    from crm.training.checks import check_data_fits
+
+    records = root / "train.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(40, tie_every=4)))
+    manifest = shard([str(records)], root / "shards", val_fraction=0.2)
+    ties = sum(s["ties"] for s in manifest["splits"]["train"]["shards"])
+    n_train = manifest["splits"]["train"]["counts"]["written"]
+    where = f"data.path={root / 'shards'}"
+
+    def tie_warnings(*overrides) -> list[str]:
+        with initialize_config_module(version_base="1.3", config_module="crm_configs"):
+            cfg = compose("train", overrides=["data=shards", f"data.path={root / 'shards'}",
+                                              "global_batch_size=4", *overrides])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="crm.training.checks"):
+            check_data_fits(settings(cfg), root / "shards", root / "run", world=1)
+        return [r.getMessage() for r in caplog.records if "ties" in r.getMessage()]
+
+    assert 0 < ties < n_train
+    assert tie_warnings("transform.ties=drop") == [
+        f"{where}: {ties} of the {n_train} training records are ties: transform.ties=drop leaves "
+        f"out the {ties} ties; transform.ties=keep trains them (a 3-way head that can say tie)"]
+    assert tie_warnings("transform.ties=keep") == []
+    pointwise = tie_warnings("loss=ranking", "transform.ties=drop")
+    assert len(pointwise) == 1 and "loss=cls transform.ties=keep trains them" in pointwise[0]
+
+    only_ties = root / "ties.jsonl"
+    only_ties.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(8, tie_every=1)))
+    shard([str(only_ties)], root / "tie-shards", val_fraction=0.25)
+    capsys.readouterr()  # what the warnings above left there: the handler of an earlier test's crm-train
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "data=shards",
+                   f"data.path={root / 'tie-shards'}", "transform.ties=drop", "name=ties")
+    assert "0 training records (manifest.json), fewer than the 1 rank(s); transform.ties=drop " \
+           "leaves out the " in line and "transform.ties=keep trains them" in line
+    assert [p.name for p in (root / "outputs" / "ties").iterdir()] == ["train.log"]  # nothing trained
+
+
 def test_crm_rl_says_how_many_prompts_to_hold_out_before_loading_the_crm(tmp_path, capsys,
                                                                           monkeypatch):
     import crm.cli.rl
