@@ -1,4 +1,5 @@
-"""`crm-data stats`: counts, lengths, criteria per sample and label balance of a file or shard dir."""
+"""`crm-data stats`: counts, lengths, criteria per sample and label balance of a file or shard dir;
+training records also by shape and label (`shapes`: decides, tie, user; crm.core.records.SHAPES)."""
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def stats(path: str | Path) -> dict:
     for split, record, record_print in _records_of(path):
         s = per_split.setdefault(split, {"records": 0, "rejected": 0, "duplicates": 0, "labels": Counter(),
                                          "criteria": Counter(), "words": [], "turns": Counter(),
-                                         "topics": Counter()})
+                                         "topics": Counter(), "shapes": {}})
         if isinstance(record, RecordError):
             s["rejected"] += 1
             continue
@@ -59,8 +60,11 @@ def stats(path: str | Path) -> dict:
         seen.add(record_print)
         if isinstance(record, TrainRecord):
             s["labels"][record.human_winner] += 1
-            # a README-format record knows one side's criteria (both sides hold a tie's)
-            for side in ((record.a_criteria or record.b_criteria,) if record.one_sided
+            s["shapes"].setdefault(record.shape, Counter())[record.human_winner] += 1
+            # a README-format record knows one side's criteria, a tie record one list (both sides
+            # hold a tie's)
+            for side in ((record.a_criteria or record.b_criteria,)
+                         if record.one_sided or record.shape == "tie"
                          else (record.a_criteria, record.b_criteria)):
                 s["criteria"][len(side)] += 1
             s["words"] += [_words(record.model_a), _words(record.model_b)]
@@ -81,6 +85,7 @@ def stats(path: str | Path) -> dict:
             "rejected": s["rejected"],
             "duplicates": s["duplicates"],
             "labels": dict(sorted(s["labels"].items())),
+            "shapes": {shape: dict(sorted(labels.items())) for shape, labels in sorted(s["shapes"].items())},
             "criteria_per_side": dict(sorted(s["criteria"].items())),
             "response_words": _summary(s["words"]),
             "messages_per_conversation": dict(sorted(s["turns"].items())),

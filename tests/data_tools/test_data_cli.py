@@ -574,6 +574,7 @@ def test_stats_on_jsonl(tmp_path, capsys):
     s = got["train.jsonl"]
     assert s["records"] == 4 and s["rejected"] == 1
     assert s["labels"] == {"model_a": 2, "model_b": 1, "tie": 1}
+    assert s["shapes"] == {"decides": s["labels"]}  # no `shape`: the paper's
     # both sides of every pair: sizes a=[2,1,3,1], b=[1,1,2,3]
     assert s["criteria_per_side"] == {"1": 4, "2": 2, "3": 2}
     assert s["response_words"]["max"] == 4
@@ -618,6 +619,41 @@ def test_stats_on_shard_dir(tmp_path, capsys):
         sides = Counter(len(o[k]) for o in objs for k in ("a_criteria", "b_criteria"))
         assert s["criteria_per_side"] == {str(k): v for k, v in sorted(sides.items())}
     assert sum(s["records"] for s in got.values()) == 30
+
+
+def shaped_obj(i: int) -> dict:
+    """train_obj(i) in turn of the paper's shape, a tie record (one list of 2 criteria on both
+    sides) and a user's criteria."""
+    shape = ("decides", "tie", "user")[i % 3]
+    if shape != "tie":
+        return train_obj(i, shape=shape, human_winner=("model_a", "model_b")[i // 3 % 2])
+    tie = {"criteria": [f"t{i}-0", f"t{i}-1"], "topics": [1, 2]}
+    return train_obj(i, shape="tie", human_winner="tie", a_criteria=tie["criteria"],
+                     b_criteria=tie["criteria"], a_broad_criteria_topic=tie["topics"],
+                     b_broad_criteria_topic=tie["topics"])
+
+
+def test_stats_counts_records_by_shape_and_label(tmp_path, capsys):
+    path = tmp_path / "shaped.jsonl"
+    path.write_text("".join(dumps(shaped_obj(i)) + "\n" for i in range(12)), encoding="utf-8")
+    expected = Counter((o.get("shape"), o["human_winner"]) for o in map(shaped_obj, range(12)))
+    s = stats_out(capsys, path)["shaped.jsonl"]
+    assert s["shapes"] == {shape: {label: n for (sh, label), n in sorted(expected.items()) if sh == shape}
+                           for shape in ("decides", "tie", "user")}
+    assert s["shapes"]["tie"] == {"tie": 4} and s["shapes"]["user"] == {"model_a": 2, "model_b": 2}
+    # a tie record's criteria are one list: counted once, as a README-format tie's
+    assert s["criteria_per_side"]["2"] == 4 + Counter(1 + i % 3 for i in range(12) if i % 3 != 1)[2]
+    out = tmp_path / "shards"
+    assert run(capsys, "shard", path, out, "--val-fraction", "0.3")[0] == 0
+    splits = stats_out(capsys, out)
+    summed = Counter()
+    for split in splits.values():
+        summed.update({(shape, label): n for shape, labels in split["shapes"].items()
+                       for label, n in labels.items()})
+    assert summed == expected
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sum(sh["ties"] for split in manifest["splits"].values() for sh in split["shards"]) == \
+        sum(n for (_, label), n in expected.items() if label == "tie")
 
 
 def test_stats_missing_path(tmp_path, capsys):
