@@ -225,7 +225,8 @@ def check_attention(attention: str, compiled: bool) -> None:
 def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
                     transform: TransformConfig | None = None) -> None:
     """Before the tokenizer is trained on them: shards with no training record, or with fewer
-    validation records than ranks in a run that validates, README-format records under a
+    validation records than ranks in a run that validates, ties kept by a pointwise CRM,
+    README-format records under a
     `transform` whose direction needs the losing side's criteria, or noise that draws from a
     criteria pool the manifest lacks (read from the manifest, so refused in seconds, not after
     the tokenizer), are refused; a global batch larger than the data, a validation split too
@@ -246,6 +247,12 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
                           "written by `crm-data shard`): re-shard the data, or train with "
                           "noise=none or remove")
     keep_ties = run.transform.ties == "keep"
+    if keep_ties and run.loss.kind == "pointwise":
+        # The stream would refuse it too, but only inside fit, after the tokenizer, as a traceback.
+        ties = sum(s.ties for shards in manifest.splits.values() for s in shards)
+        raise ConfigError(f"transform.ties=keep with a pointwise CRM (loss=ranking), whose pair needs "
+                          f"a winner: it cannot learn the data's {ties} ties; keep them with loss=cls "
+                          "(a 3-way head that can say tie), or set transform.ties=drop")
     train, val = ({} if split not in manifest.splits else manifest.splits[split]
                   for split in ("train", "val"))
     n_train = sum(s.eligible(keep_ties) for s in train)

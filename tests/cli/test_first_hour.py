@@ -268,6 +268,7 @@ def test_ties_a_run_drops_are_counted_at_start_and_all_ties_are_refused(root, ca
     records.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(40, tie_every=4)))
     manifest = shard([str(records)], root / "shards", val_fraction=0.2)
     ties = sum(s["ties"] for s in manifest["splits"]["train"]["shards"])
+    val_ties = sum(s["ties"] for s in manifest["splits"]["val"]["shards"])
     n_train = manifest["splits"]["train"]["counts"]["written"]
     where = f"data.path={root / 'shards'}"
 
@@ -297,6 +298,12 @@ def test_ties_a_run_drops_are_counted_at_start_and_all_ties_are_refused(root, ca
     assert "0 training records (manifest.json), fewer than the 1 rank(s); transform.ties=drop " \
            "leaves out the " in line and "transform.ties=keep trains them" in line
     assert [p.name for p in (root / "outputs" / "ties").iterdir()] == ["train.log"]  # nothing trained
+    line = refused(capsys, monkeypatch, crm.cli.train.main, "crm-train", "data=shards",
+                   f"data.path={root / 'shards'}", "loss=ranking", "transform.ties=keep", "name=pk")
+    assert line == (f"crm-train: transform.ties=keep with a pointwise CRM (loss=ranking), whose pair "
+                    f"needs a winner: it cannot learn the data's {ties + val_ties} ties; "
+                    "keep them with loss=cls (a 3-way head that can say tie), or set transform.ties=drop")
+    assert [p.name for p in (root / "outputs" / "pk").iterdir()] == ["train.log"]
 
 
 def test_crm_rl_says_how_many_prompts_to_hold_out_before_loading_the_crm(tmp_path, capsys,
