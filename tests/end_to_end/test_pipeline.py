@@ -2,7 +2,9 @@
 
 1. README-format records ({idx, prompt, model_a, model_b, criteria, preference}) shard and train;
    a direction that needs the losing side's criteria is refused before training.
-2. End to end (slow): synthetic votes with known criteria, written as the 55k CSV -> crm-data
+2. Votes with ties -> crm-data criteria (tie criteria become tie records) -> topics -> shard ->
+   crm-train keeping ties -> an export whose head can say tie, every count checked on the way.
+3. End to end (slow): synthetic votes with known criteria, written as the 55k CSV -> crm-data
    criteria (the stub endpoint answers each vote's true criteria) -> topics -> crm-data shard ->
    crm-train (a pointwise CRM), which scores the contradictory test file with its export as crm-eval
    does (one process less), where a model that ignores the criteria scores 0.5 by construction.
@@ -13,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,47 @@ def test_readme_format_shards_and_trains(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "outputs" / "readme" / "metrics.json").read_text())
     assert metrics["train"]["global_step"] == 2
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tie_votes_go_from_votes_to_an_export_that_can_say_tie(tmp_path, capsys):
+    # 24 votes, winners cycling a, b, tie; the stub's tie criteria are the words both answers hold,
+    # so every vote has some but the last, a tie vote whose answers share no word: rejected.
+    rows = [arena_55k_row(i, [f"How long for egg {i}?"], [f"Boil it for {i} minutes."],
+                          ["Ask a chef." if i == 23 else f"Steam it for {i} minutes."],
+                          ("model_a", "model_b", "tie")[i % 3]) for i in range(24)]
+    data, shards = tmp_path / "data", tmp_path / "shards"
+    with StubLLM() as stub:
+        assert crm_data(["criteria", str(write_csv(tmp_path / "votes.csv", rows)), str(data),
+                         "--base-url", stub.url, "--model", "stub", "--k", "4", "--no-progress"]) == 0
+    summary = json.loads((data / "summary.json").read_text())
+    # 16 decisive votes, each with its tie record; 7 of the 8 tie votes, each as its tie record
+    assert (summary["read"], summary["written"], summary["rejected"]) == (24, 23, 1)
+    assert (summary["tie_records"], summary["shapes"]) == (16, {"decides": 16, "tie": 23})
+    assert "+ 16 tie records beside them" in capsys.readouterr().out
+
+    assert crm_data(["shard", str(data / "train.jsonl"), str(shards), "--val-fraction", "0.2",
+                     "--strict"]) == 0
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["counts"]["written"] == 39
+    assert sum(sh["ties"] for split in manifest["splits"].values() for sh in split["shards"]) == 23
+    capsys.readouterr()
+    assert crm_data(["stats", str(shards)]) == 0
+    by_shape = Counter()
+    for split in json.loads(capsys.readouterr().out).values():
+        by_shape.update({(shape, label): n for shape, labels in split["shapes"].items()
+                         for label, n in labels.items()})
+    assert by_shape == {("decides", "model_a"): 8, ("decides", "model_b"): 8, ("tie", "tie"): 23}
+
+    exported = [o if o != "export=false" else "export=true" for o in QUICK]
+    done = command("crm-train", "data=shards", f"data.path={shards}", *exported, "transform.ties=keep",
+                   "name=ties", root=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "are ties" not in done.stderr  # kept: no warning that they are left out
+    export = tmp_path / "outputs" / "ties" / "export"
+    assert json.loads((export / "crm.json").read_text())["labels"] == ["model_a", "model_b", "tie"]
+    assert json.loads((export / "config.json").read_text())["id2label"] == {
+        "0": "model_a", "1": "model_b", "2": "tie"}
 
 
 def arena_csv_from_demo(records: list[dict], path: Path) -> dict[tuple, tuple]:
