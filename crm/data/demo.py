@@ -21,11 +21,12 @@ import json
 import logging
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from filelock import FileLock
 
+from crm.core.files import write_json
 from crm.data.shard import shard
 
 log = logging.getLogger(__name__)
@@ -524,6 +525,8 @@ FOLLOW_UPS = ("Thanks! Anything else I should keep in mind?", "What is the most 
 K_WEIGHTS = {1: 0.28, 2: 0.3, 3: 0.22, 4: 0.12, 5: 0.08}  # attributes on which A and B differ
 TIE_RATE = 0.03
 MULTI_TURN_RATE = 0.05
+USER_MAX_POLES = 3  # a user's criteria name 1-3 poles
+USER_DIFFER_RATE = 0.5  # per attribute, between the two sides of a user pair
 CROWD_AGREEMENT = 0.75  # share of votes that go to the side the crowd's taste prefers
 # The crowd's favoured pole per attribute, with weights in powers of two: no signed sum of a
 # non-empty subset is zero, so the crowd always has a favourite side.
@@ -666,24 +669,115 @@ def _vote(pair: _Pair, rng: random.Random) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# criteria as a user writes them: named before any pair is seen, so they need not decide it
+
+Pole = tuple[int, int]  # (attribute id, pole index)
+
+
+def user_poles(rng: random.Random) -> list[Pole]:
+    """1-3 poles of distinct attributes, each side of its attribute alike likely."""
+    k = rng.randint(1, USER_MAX_POLES)
+    return [(a, rng.randrange(2)) for a in rng.sample(range(len(ATTRIBUTES)), k)]
+
+
+def rule_verdict(style_a: Style, style_b: Style, poles: list[Pole]) -> str:
+    """The label of a pair under criteria that were not written for it (docs/DESIGN.md section
+    4): each side scores one for every named pole it has; the higher score wins, equal scores
+    tie. So no named attribute that differs is a tie, named attributes that all favour one side
+    give that side, and a split goes to the side with more of them (a tie when even)."""
+    score = sum((style_a[a] == pole) - (style_b[a] == pole) for a, pole in poles)
+    return "model_a" if score > 0 else "model_b" if score < 0 else "tie"
+
+
+def _wordings(poles: list[Pole], rng: random.Random) -> list[str]:
+    return [rng.choice(TRAIN_WORDINGS[ATTRIBUTES[a].poles[pole]]) for a, pole in poles]
+
+
+def _draw_user_pair(topics: tuple[str, ...], rng: random.Random) -> _Pair:
+    # Each attribute differs with USER_DIFFER_RATE, as between a bench model and the baseline;
+    # none may differ (two answers alike in style).
+    topic = TOPIC_BY_NAME[rng.choice(topics)]
+    query = _query(topic, rng)
+    style_a = tuple(rng.randrange(2) for _ in ATTRIBUTES)
+    differing = tuple(a for a in range(len(ATTRIBUTES)) if rng.random() < USER_DIFFER_RATE)
+    style_b = tuple(1 - p if i in differing else p for i, p in enumerate(style_a))
+    follow_up = rng.choice(FOLLOW_UPS) if rng.random() < MULTI_TURN_RATE else None
+    return _Pair(topic.name, query, differing, style_a, style_b,
+                 _conversation(topic, query, style_a, follow_up, rng),
+                 _conversation(topic, query, style_b, follow_up, rng))
+
+
+def _user_records(seed: int, n: int) -> list[dict]:
+    """Pairs under a user's criteria, labelled by `rule_verdict`. The side the criteria favour
+    holds them; the other side holds their opposite poles, under which the rule gives it the pair
+    (or the same tie), so `direction=reverse` shows a true label too."""
+    rng = _stream(seed, "user")
+    records = []
+    for i in range(n):
+        pair = _draw_user_pair(TRAIN_TOPICS, rng)
+        poles = user_poles(rng)
+        opposite = [(a, 1 - pole) for a, pole in poles]
+        winner = rule_verdict(pair.style_a, pair.style_b, poles)
+        a_poles, b_poles = (opposite, poles) if winner == "model_b" else (poles, opposite)
+        records.append({
+            "idx": f"user-{i:05d}", "topic": pair.topic, "prompt": pair.query,
+            "human_winner": winner, "shape": "user", "model_a": pair.model_a, "model_b": pair.model_b,
+            "a_criteria": _wordings(a_poles, rng), "b_criteria": _wordings(b_poles, rng),
+            "a_broad_criteria_topic": [a for a, _ in a_poles],
+            "b_broad_criteria_topic": [a for a, _ in b_poles],
+        })
+    return records
+
+
+def _tie_criteria(pair: _Pair, rng: random.Random) -> tuple[list[str], list[int]]:
+    """Criteria on which the two responses are equally good: 1-2 poles of attributes they share
+    (a pair differs on at most 5 of the 6)."""
+    shared = [a for a in range(len(ATTRIBUTES)) if a not in pair.differing]
+    poles = [(a, rng.randrange(2)) for a in rng.sample(shared, min(len(shared), rng.randint(1, 2)))]
+    return _wordings(poles, rng), [a for a, _ in poles]
+
+
+# ---------------------------------------------------------------------------------------------
 # the files
 
 
 def _train_records(seed: int, n: int) -> list[dict]:
     rng = _stream(seed, "train")
+    tie_rng = _stream(seed, "train-ties")
     records = []
     for i in range(n):
         pair = _draw_pair(TRAIN_TOPICS, rng)
         winner = "tie" if rng.random() < TIE_RATE else _vote(pair, rng)
         a_criteria, a_topics = _criteria(pair, "model_a", TRAIN_WORDINGS, rng)
         b_criteria, b_topics = _criteria(pair, "model_b", TRAIN_WORDINGS, rng)
+        record = {"idx": f"train-{i:05d}", "topic": pair.topic, "prompt": pair.query,
+                  "human_winner": winner}
+        if winner == "tie":
+            # A voter who calls it a tie found the two equally good: each side's own criteria
+            # would decide the pair. The draws above still run, so that every other record is
+            # what it was before ties had criteria of their own.
+            a_criteria, a_topics = _tie_criteria(pair, tie_rng)
+            b_criteria, b_topics = a_criteria, a_topics
+            record["shape"] = "tie"
         records.append({
-            "idx": f"train-{i:05d}", "topic": pair.topic, "prompt": pair.query,
-            "human_winner": winner, "model_a": pair.model_a, "model_b": pair.model_b,
+            **record, "model_a": pair.model_a, "model_b": pair.model_b,
             "a_criteria": a_criteria, "b_criteria": b_criteria,
             "a_broad_criteria_topic": a_topics, "b_broad_criteria_topic": b_topics,
         })
     return records
+
+
+def _mixed(first: list[dict], second: list[dict], rng: random.Random) -> list[dict]:
+    """The two lists interleaved at random, each in its own order: every shard holds both."""
+    out, i, j = [], 0, 0
+    while i < len(first) or j < len(second):
+        if rng.random() * (len(first) - i + len(second) - j) < len(first) - i:
+            out.append(first[i])
+            i += 1
+        else:
+            out.append(second[j])
+            j += 1
+    return out
 
 
 def _test_record(idx: str, pair: _Pair, criteria: list[str], preference: str) -> dict:
@@ -786,16 +880,18 @@ def _write_jsonl(path: Path, records: list[dict]) -> int:
 
 
 def write_demo(out_dir: str | Path, seed: int = 0, n_train: int = 6000, n_test: int = 400,
-               n_bench: int = 60) -> dict:
+               n_bench: int = 60, n_user: int = 0) -> dict:
     """Write the demo data set under `out_dir`; returns {relative path: number of lines}.
 
-    train.jsonl has `n_train` records; each test file `n_test` (contradictory.jsonl holds
-    n_test // 2 pairs, each twice); bench.jsonl `n_bench` queries answered by every BENCH_MODELS
-    entry and BENCH_BASELINE.
+    train.jsonl has `n_train` voted records (criteria that decide the pair; the crowd's ties
+    under criteria that do not) and `n_user` records under criteria as a user writes them, mixed;
+    each test file `n_test` (contradictory.jsonl holds n_test // 2 pairs, each twice);
+    bench.jsonl `n_bench` queries answered by every BENCH_MODELS entry and BENCH_BASELINE.
     """
     out_dir = Path(out_dir)
     files = {
-        "train.jsonl": _train_records(seed, n_train),
+        "train.jsonl": _mixed(_train_records(seed, n_train), _user_records(seed, n_user),
+                              _stream(seed, "mix")),
         "test/in_distribution.jsonl": _voted_test_records(
             seed, "in_distribution", n_test, TRAIN_TOPICS, TRAIN_WORDINGS),
         "test/heldout_topics.jsonl": _voted_test_records(
@@ -818,6 +914,17 @@ class DemoConfig:
     n_train: int = 6000  # training pairs
     n_test: int = 400  # records per test file
     n_bench: int = 60  # benchmark queries
+    n_user: int = 0  # training pairs under criteria as a user writes them (`rule_verdict`)
+
+
+# What a cache was generated from: a change of settings or of the generator's output regenerates
+# it. Bump GENERATOR when the same settings write other files.
+GENERATOR = 2
+SPEC = "demo.json"
+
+
+def _spec(demo: DemoConfig) -> dict:
+    return {"generator": GENERATOR, **{k: v for k, v in asdict(demo).items() if k != "out_dir"}}
 
 
 def demo_shard_dir(demo: DemoConfig) -> Path:
@@ -830,17 +937,28 @@ def prepare_demo(demo: DemoConfig) -> Path:
     beside it unless a complete cache is there already.
 
     Under srun every rank starts at once: the first one prepares under a lock, the others then
-    find the cache ready. A cache from an older demo (fewer files) is regenerated, not trained on
-    and then failed. It writes only under `demo.out_dir`: a user's `data.path` is never the
+    find the cache ready. A cache of other settings or an older generator (`SPEC` says which) is
+    regenerated, not trained on. It writes only under `demo.out_dir`: a user's `data.path` is never the
     demo's to overwrite (crm-train refuses data=demo with a data.path of its own).
     """
     out_dir, shard_dir = Path(demo.out_dir), demo_shard_dir(demo)
     raw = out_dir / "raw"
     expected = [raw / "bench.jsonl"] + [raw / "test" / f"{name}.jsonl" for name in TEST_FILES]
+    spec_path, spec = out_dir / SPEC, _spec(demo)
     with FileLock(out_dir / ".prepare.lock"):
-        if not (shard_dir / "manifest.json").is_file() or not all(p.is_file() for p in expected):
+        if (not (shard_dir / "manifest.json").is_file() or not all(p.is_file() for p in expected)
+                or _read_spec(spec_path) != spec):
             log.info("generating the demo data into %s", raw)
+            spec_path.unlink(missing_ok=True)  # a run killed below leaves no spec: it regenerates
             write_demo(raw, seed=demo.seed, n_train=demo.n_train, n_test=demo.n_test,
-                       n_bench=demo.n_bench)
-            shard([str(raw / "train.jsonl")], shard_dir, shard_size=1000)
+                       n_bench=demo.n_bench, n_user=demo.n_user)
+            shard([str(raw / "train.jsonl")], shard_dir, shard_size=1000, overwrite=True)
+            write_json(spec_path, spec)
     return shard_dir
+
+
+def _read_spec(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -1,6 +1,7 @@
 """The embedded demo data: deterministic, valid, and labelled consistently with its criteria."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -20,14 +21,14 @@ FILES = {"train.jsonl": "train", "test/in_distribution.jsonl": "test",
          "bench.jsonl": "bench"}
 VOTED_TEST_FILES = ("test/in_distribution.jsonl", "test/heldout_topics.jsonl",
                     "test/heldout_wordings.jsonl")
-SIZES = {"n_train": 1000, "n_test": 200, "n_bench": 60}
+SIZES = {"n_train": 1000, "n_test": 200, "n_bench": 60, "n_user": 600}
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("demo")
     counts = demo.write_demo(path, seed=0, **SIZES)
-    assert counts == {"train.jsonl": 1000, "test/in_distribution.jsonl": 200,
+    assert counts == {"train.jsonl": 1600, "test/in_distribution.jsonl": 200,
                       "test/heldout_topics.jsonl": 200, "test/heldout_wordings.jsonl": 200,
                       "test/contradictory.jsonl": 200, "test/noisy_contradictory.jsonl": 200,
                       "bench.jsonl": 60}
@@ -182,15 +183,42 @@ def test_criteria_match_their_topic_ids(out):
     n_seen = Counter()
     for r in _records(out, "train.jsonl"):
         assert len(r.a_criteria) == len(r.a_topics) == len(r.b_criteria) == len(r.b_topics)
-        assert sorted(r.a_topics) == sorted(r.b_topics)  # the attributes on which A and B differ
+        assert sorted(r.a_topics) == sorted(r.b_topics)  # one attribute set, named for each side
         for text, topic in zip(r.a_criteria + r.b_criteria, r.a_topics + r.b_topics):
             assert WORDING_POLE[text][0] == topic
         n_seen[len(r.a_criteria)] += 1
     assert {1, 2, 3, 5} <= set(n_seen)
 
 
+def _shapes(out: Path) -> list[str]:
+    return [json.loads(line).get("shape", "decides") for line in open(out / "train.jsonl")]
+
+
+def test_each_sides_criteria_give_it_the_pair_and_a_ties_give_a_tie(out):
+    # Read from the texts by the independent judge, for every record of every shape: so the
+    # winner's criteria give the label, and direction=reverse (the loser's) gives a true one too.
+    for r in _records(out, "train.jsonl"):
+        expected = ("tie", "tie") if r.human_winner == "tie" else ("model_a", "model_b")
+        assert (_rule_judge(r.a_criteria, r.model_a, r.model_b),
+                _rule_judge(r.b_criteria, r.model_a, r.model_b)) == expected, r.idx
+
+
+def test_user_criteria_are_drawn_apart_from_the_pair(out):
+    train, shapes = _records(out, "train.jsonl"), _shapes(out)
+    assert Counter(shapes)["user"] == SIZES["n_user"]
+    user = [r for r, shape in zip(train, shapes) if shape == "user"]
+    labels = Counter(r.human_winner for r in user)
+    assert 0.3 <= labels["tie"] / len(user) <= 0.5  # unseparated pairs and even splits
+    assert abs(labels["model_a"] - labels["model_b"]) < 0.1 * len(user)
+    assert {len(r.a_criteria) for r in user} == {1, 2, 3}
+    # mixed through the file, not appended: every shard of 1000 holds both kinds
+    assert 0.2 < Counter(shapes[:len(shapes) // 2])["user"] / (len(shapes) // 2) < 0.55
+    # the crowd's ties are under criteria the two sides share, the only other tie label
+    assert {shape for r, shape in zip(train, shapes) if r.human_winner == "tie"} == {"user", "tie"}
+
+
 def test_ties_and_multi_turn_are_present(out):
-    train = _records(out, "train.jsonl")
+    train = [r for r, shape in zip(_records(out, "train.jsonl"), _shapes(out)) if shape != "user"]
     ties = sum(r.human_winner == "tie" for r in train) / len(train)
     multi = [r for r in train if len(r.model_a) > 2]
     assert 0.01 <= ties <= 0.06
@@ -253,10 +281,7 @@ def test_labels_follow_the_criteria(out):
                 "test/heldout_wordings.jsonl", "test/contradictory.jsonl",
                 "test/noisy_contradictory.jsonl"):
         assert _accuracy(_records(out, rel), judge) >= 0.95, rel
-    train = _records(out, "train.jsonl")
-    agree = sum(_rule_judge(r.a_criteria, r.model_a, r.model_b) == "model_a"
-                and _rule_judge(r.b_criteria, r.model_a, r.model_b) == "model_b" for r in train)
-    assert agree / len(train) >= 0.95
+    # training records: test_each_sides_criteria_give_it_the_pair_and_a_ties_give_a_tie
 
 
 def test_prompts_stay_short(out):
@@ -267,3 +292,16 @@ def test_prompts_stay_short(out):
     counts = [words(r) for r in _records(out, "test/in_distribution.jsonl")]
     assert 90 <= sum(counts) / len(counts) <= 180
     assert max(counts) <= 420
+
+
+def test_a_cache_of_other_settings_is_regenerated(tmp_path):
+    settings = demo.DemoConfig(str(tmp_path), n_train=30, n_test=4, n_bench=2)
+    train = tmp_path / "raw" / "train.jsonl"
+    demo.prepare_demo(settings)
+    written = train.stat().st_mtime_ns
+    demo.prepare_demo(settings)
+    assert train.stat().st_mtime_ns == written  # the same settings: the cache is used
+    settings.n_user = 20
+    manifest = json.loads((demo.prepare_demo(settings) / "manifest.json").read_text())
+    assert sum(1 for _ in open(train)) == 50
+    assert manifest["counts"]["written"] == 50
