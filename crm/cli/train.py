@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from crm.core.files import write_json
 from crm.core.prompts import PromptTemplate
 from crm.data.config import StreamConfig, StreamSettings
 from crm.data.demo import DemoConfig, demo_shard_dir, prepare_demo
-from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings
+from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSettings, tie_policy
 from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark
 from crm.models.config import LoraConfig, LossConfig, ModelConfig
 from crm.training import checks
@@ -129,6 +129,12 @@ class TrainConfig:
     export: bool = MISSING
     evaluate: bool = MISSING
     benchmarks: dict[str, str] = MISSING  # benchmark name -> its local copy (configs/benchmark/)
+
+    def __post_init__(self):
+        # Decided here, once, so that every reader (the stream, the head, the checks) and the
+        # run's record see the same policy, never `auto`.
+        self.transform = replace(self.transform, ties=tie_policy(self.transform.ties, self.loss.kind,
+                                                                 self.loss.ties))
 
 
 register_schema("train", TrainConfig)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from crm.core.examples import LABEL_A, PairExample
+from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, PairExample
 from crm.core.prompts import PromptEncoder
 from crm.core.records import RecordError, TrainRecord, parse_train
 from crm.data.config import StreamConfig
@@ -58,9 +58,6 @@ class PairStream(IterableDataset):
     def __init__(self, shards: list[ShardInfo], tokenizer, cfg: StreamConfig,
                  transform: TransformConfig, pool: CriteriaPool | None = None, rank: int = 0,
                  world: int = 1):
-        if cfg.mode == "pointwise" and transform.ties == "keep":
-            raise ValueError("pointwise training cannot use ties (a Bradley-Terry pair needs a "
-                             "winner): set ties=drop")
         one_sided = any(s.one_sided for s in shards)
         if pool is None and draws_from_pool(transform.noise, one_sided):
             raise ValueError(f"noise={transform.noise!r} draws from a criteria pool: give the manifest's")
@@ -170,8 +167,9 @@ class PairStream(IterableDataset):
             fits = encoder.fit_pairwise([(ex.criteria, ex.query, ex.conv_a, ex.conv_b) for ex in examples])
             return [Encoded(ex.key, (fit.ids,) if fit.ids is not None else None, ex.label,
                             int(fit.shortened)) for ex, fit in zip(examples, fits)]
-        pairs = [(ex.conv_a, ex.conv_b) if ex.label == LABEL_A else (ex.conv_b, ex.conv_a)
-                 for ex in examples]  # (chosen, rejected); ties were refused in __init__
+        # (chosen, rejected); a tie's two rows in the order shown (LABEL_TIE says which pairs)
+        pairs = [(ex.conv_b, ex.conv_a) if ex.label == LABEL_B else (ex.conv_a, ex.conv_b)
+                 for ex in examples]
         fits = encoder.fit_pointwise([(ex.criteria, ex.query, conv) for ex, pair in zip(examples, pairs)
                                       for conv in pair])
         out = []
@@ -230,6 +228,9 @@ class PairStream(IterableDataset):
         )
         if self.cfg.mode == "pairwise":
             batch["labels"] = torch.tensor([ex.label for ex in kept], dtype=torch.long)
+        else:  # the chosen row won (LABEL_A), or the pair is a tie
+            batch["labels"] = torch.tensor([LABEL_TIE if ex.label == LABEL_TIE else LABEL_A
+                                            for ex in kept], dtype=torch.long)
         return batch
 
 

@@ -15,7 +15,7 @@ from crm.core.records import TrainRecord
 
 DIRECTIONS = ("original", "reverse", "random")
 NOISES = ("none", "add", "remove", "replace", "random")
-TIE_POLICIES = ("drop", "keep")
+TIE_POLICIES = ("auto", "drop", "keep")
 ARITHMETICS = ("fixed", "reference")
 
 
@@ -24,7 +24,7 @@ class TransformSettings:
     """What a user sets: crm-train's `transform` section (configs/train.yaml) is this dataclass."""
 
     swap_prob: float = 0.5  # probability of swapping A and B; the label follows
-    ties: str = "drop"  # "keep" trains a 3-way head
+    ties: str = "drop"  # "keep" trains a 3-way head; "auto" is decided by `tie_policy`
     arithmetic: str = "fixed"  # "reference" reproduces the reference's noise counts (without its crash)
     redraw_each_epoch: bool = True  # False: one draw per record for the whole run, as the reference
 
@@ -38,7 +38,17 @@ class TransformSettings:
 
     @property
     def num_labels(self) -> int:
+        if self.ties == "auto":
+            raise ValueError("transform ties=auto is decided by the loss (tie_policy) before use")
         return 3 if self.ties == "keep" else 2
+
+
+def tie_policy(ties: str, loss_kind: str, tie_model: str = "none") -> str:
+    """`auto`: a CRM that can say tie keeps ties (a pairwise one's 3-way head, a pointwise one
+    with `loss.ties=davidson`); a Bradley-Terry pointwise one drops them (its pair needs a winner)."""
+    if ties != "auto":
+        return ties
+    return "keep" if loss_kind == "pairwise" or tie_model != "none" else "drop"
 
 
 @dataclass(frozen=True)
@@ -189,7 +199,11 @@ def train_example(record: TrainRecord, key: str, cfg: TransformConfig, rng: rand
         chosen, rejected, rejected_topics = record.b_criteria, record.a_criteria, record.a_topics
     # One-sided: the loser's criteria are unknown, so noise bans no topic and replaces from the pool.
     rejected, rejected_topics = (None, ()) if record.one_sided else (list(rejected), rejected_topics)
-    criteria = apply_noise(list(chosen), rejected, rejected_topics, cfg.noise, pool, rng, cfg.arithmetic)
+    # Noise keeps the label only of criteria that decide the pair (the preferred side keeps a
+    # strict majority); a `tie` or `user` record's criteria are already what a user writes, and
+    # an added or swapped criterion could change what the rule says of them.
+    noise = cfg.noise if record.shape == "decides" else "none"
+    criteria = apply_noise(list(chosen), rejected, rejected_topics, noise, pool, rng, cfg.arithmetic)
     example = PairExample(key, tuple(criteria), record.query, after_query(record.model_a),
                           after_query(record.model_b), label, record.topic)
     return swap(example) if rng.random() < cfg.swap_prob else example

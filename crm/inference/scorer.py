@@ -34,7 +34,7 @@ from crm.inference.prefix_reuse import prefix_logits
 from crm.models import compile as compiling
 from crm.models.checkpoint import load_crm
 from crm.models.export import META, load_export
-from crm.models.heads import last_token_logits
+from crm.models.heads import davidson_logits, last_token_logits
 
 SENTINEL = "\x00crm-slot\x00"  # stands for the conversation where a prompt is split
 
@@ -81,15 +81,19 @@ class CRMScorer:
     """Compares responses under criteria: `compare_many` gives P(A), P(B), P(tie) per pair.
 
     A pairwise model reads both responses in one sequence; a pointwise model scores each response
-    and compares with a sigmoid of the reward difference. Prompts that the length policy cannot fit
+    and compares with a sigmoid of the reward difference (with a tie model, Davidson's three
+    probabilities of it: crm.models.heads.davidson_logits). Prompts that the length policy cannot fit
     are refused with an error (a score must never silently disappear), or with unfit="nan" get NaN
     (an evaluation counts them as wrong and reports how many).
     """
 
     def __init__(self, model, tokenizer, template: PromptTemplate, kind: str, max_tokens: int,
                  batch_size: int = 16, device: torch.device | None = None,
-                 prefix_reuse: bool = True, progress: bool = False, compile: bool | str = "auto"):
+                 prefix_reuse: bool = True, progress: bool = False, compile: bool | str = "auto",
+                 ties: dict | None = None):
         self.model, self.tokenizer, self.kind = model.eval(), tokenizer, kind
+        # a pointwise CRM's tie model (crm.models.checkpoint.tie_record): P(tie) from Davidson's
+        self.tie_log_nu = None if ties is None else torch.tensor([ties["log_nu"]])
         self.encoder = PromptEncoder(tokenizer, template, max_tokens)
         self.template = template
         self.batch_size = batch_size
@@ -130,7 +134,7 @@ class CRMScorer:
         model, tokenizer, template, meta = load_export(export_dir, dtype=dtype or auto_dtype)
         model.to(device or auto_device)
         return cls(model, tokenizer, template, meta["kind"], meta["max_tokens"], batch_size,
-                   **kwargs)
+                   ties=meta.get("ties"), **kwargs)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, batch_size: int = 16, device=None, dtype=None,
@@ -140,7 +144,7 @@ class CRMScorer:
         crm, _ = load_crm(checkpoint, dtype=dtype or auto_dtype)
         crm.model.to(device or auto_device)
         return cls(crm.model, crm.tokenizer, crm.template, crm.kind, crm.max_tokens, batch_size,
-                   **kwargs)
+                   ties=crm.ties, **kwargs)
 
     # -- the public API --------------------------------------------------------------------------
 
@@ -189,6 +193,8 @@ class CRMScorer:
             rewards = self._rewards(items, unfit)
             r_a = rewards[[index[(e.criteria, e.query, e.conv_a)] for e in examples]]
             r_b = rewards[[index[(e.criteria, e.query, e.conv_b)] for e in examples]]
+            if self.tie_log_nu is not None:  # NaN rewards stay NaN: an unfit pair
+                return davidson_logits(r_a - r_b, self.tie_log_nu).softmax(-1)
             p_a = torch.sigmoid(r_a - r_b)
             return torch.stack([p_a, 1 - p_a, torch.zeros_like(p_a)], dim=1)
         encoded = self._fitted(self.encoder.fit_pairwise([(e.criteria, e.query, e.conv_a, e.conv_b)

@@ -27,6 +27,7 @@ CARD = "crm_card"
 CARD_VERSION = 1
 SHARDED_META = "meta.pt"  # Lightning writes it last into a sharded checkpoint dir
 LORA = "crm_lora"  # a LoRA run's adapters and base (crm.models.lora.base_record)
+TIE_LOG_NU = "crm.tie_log_nu"  # a Davidson pointwise CRM's tie parameter (crm.models.heads)
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:
@@ -136,12 +137,19 @@ def describe(model, tokenizer, *, kind: str, template: PromptTemplate, max_token
             "template": asdict(template), "files": files}
 
 
+def tie_record(log_nu) -> dict | None:
+    """What crm.json and a scorer keep of a pointwise CRM's tie model: {"model": "davidson",
+    "log_nu": float}; None for a CRM without one (`log_nu` None)."""
+    return None if log_nu is None else {"model": "davidson", "log_nu": float(log_nu.reshape(-1)[0])}
+
+
 class LoadedCRM(NamedTuple):
     model: torch.nn.Module  # a HF sequence classifier, eval mode, on CPU
     tokenizer: object
     template: PromptTemplate
     kind: str
     max_tokens: int
+    ties: dict | None = None  # a pointwise CRM's tie model (`tie_record`)
 
 
 def build_from_card(card: dict, weights: dict | None, dtype: torch.dtype | None = None) -> LoadedCRM:
@@ -183,6 +191,7 @@ def load_crm(path: str | Path, dtype: torch.dtype | None = None,
 
         weights = merged_weights(weights, checkpoint[LORA], base)
     crm = build_from_card(checkpoint.pop(CARD), weights, dtype)
+    crm = crm._replace(ties=tie_record(checkpoint["state_dict"].get(TIE_LOG_NU)))
     del checkpoint["state_dict"]
     return crm, checkpoint
 
@@ -200,6 +209,7 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | 
                  "config": checkpoint.get("crm_config")}
         if checkpoint.get(LORA):
             extra["lora"] = {**checkpoint[LORA], "form": "merged"}
+        extra.update({"ties": crm.ties} if crm.ties else {})
         return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
                           max_tokens=crm.max_tokens, extra=extra)
     checkpoint = load_checkpoint(path)
@@ -213,10 +223,12 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | 
     from crm.models.lora import check_base
 
     record = {**record, "base": str(check_base(record, base))}
+    ties = tie_record(checkpoint["state_dict"].get(TIE_LOG_NU))
     crm = build_from_card(checkpoint[CARD], None)
     return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
                       max_tokens=crm.max_tokens,
                       adapters=(model_weights(checkpoint), record),
                       extra={"source": str(path), "global_step": checkpoint["global_step"],
                              "config": checkpoint.get("crm_config"),
-                             "lora": {**record, "form": "adapter"}})
+                             "lora": {**record, "form": "adapter"},
+                             **({"ties": ties} if ties else {})})

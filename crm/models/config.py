@@ -63,16 +63,25 @@ class ModelConfig:
         return self.arch
 
 
+TIE_MODELS = ("none", "davidson")
+
+
 @dataclass(frozen=True)
 class LossConfig:
     kind: str = "pairwise"  # pairwise: L_cls, cross-entropy | pointwise: L_ranking, Bradley-Terry
     name: str | None = None  # the option's name (configs/loss/<name>.yaml): cls | ranking
     margin: float = 0.0  # pointwise: -logsigmoid(r_c - r_r - margin)
     center_coef: float = 0.0  # pointwise: + center_coef * (r_c + r_r)^2
+    ties: str = "none"  # pointwise: none (Bradley-Terry) | davidson (Bradley-Terry with ties)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"loss.kind={self.kind}: expected one of {', '.join(KINDS)}")
+        if self.ties not in TIE_MODELS:
+            raise ValueError(f"loss.ties={self.ties}: expected one of {', '.join(TIE_MODELS)}")
+        if self.ties != "none" and self.kind != "pointwise":
+            raise ValueError(f"loss.ties={self.ties} is a pointwise CRM's; a pairwise CRM says "
+                             "tie with its 3-way head (transform.ties=keep)")
 
 
 @dataclass(frozen=True)

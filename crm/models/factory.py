@@ -39,4 +39,4 @@ def build_crm(model: ModelConfig, loss: LossConfig, *, num_labels: int, pad_toke
         hf = add_adapters(build_classifier(num_labels=labels, **classifier), lora, init=not meta)
     if loss.kind == "pairwise":
         return PairwiseCRM(hf)
-    return PointwiseCRM(hf, margin=loss.margin, center_coef=loss.center_coef)
+    return PointwiseCRM(hf, margin=loss.margin, center_coef=loss.center_coef, ties=loss.ties)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crm.core.examples import LABEL_A, LABEL_TIE
 from crm.models.compile import eager
 from crm.models.packing import packed_hidden
 
@@ -109,19 +110,32 @@ class PairwiseCRM(nn.Module):
         return batch_means(self.loss_sums(batch))
 
 
+def davidson_logits(diff: torch.Tensor, log_nu: torch.Tensor) -> torch.Tensor:
+    """(..., 3) logits of P(first preferred), P(second), P(tie) under Davidson's (1970)
+    Bradley-Terry model with ties, for reward differences `diff` = r_first - r_second:
+    P(first) = e^r1 / (e^r1 + e^r2 + nu sqrt(e^r1 e^r2)), which is a softmax over (diff / 2,
+    -diff / 2, log nu). A tie is likeliest where the rewards are equal, and nu sets how likely."""
+    return torch.stack([diff / 2, -diff / 2, log_nu.expand_as(diff)], dim=-1)
+
+
 class PointwiseCRM(nn.Module):
-    """criteria + query + one response -> a scalar reward; Bradley-Terry over chosen/rejected.
+    """criteria + query + one response -> a scalar reward; Bradley-Terry over chosen/rejected,
+    or with `ties="davidson"` Davidson's model with ties, its log nu (`tie_log_nu`) learned.
 
     A batch holds the n chosen rows, then their n rejected rows: one forward for both (one FSDP
-    all-gather per step, not two).
+    all-gather per step, not two). With ties, `labels` says which pairs are ties (LABEL_TIE; the
+    two rows of a tie in either order) and which were won by the first row (LABEL_A).
     """
 
     kind = "pointwise"
     num_labels = 1
 
-    def __init__(self, model: nn.Module, margin: float = 0.0, center_coef: float = 0.0):
+    def __init__(self, model: nn.Module, margin: float = 0.0, center_coef: float = 0.0,
+                 ties: str = "none"):
         super().__init__()
         self.model, self.margin, self.center_coef = model, margin, center_coef
+        # Shape (1,), not a scalar: FSDP2 shards every parameter along its first dimension.
+        self.tie_log_nu = nn.Parameter(torch.zeros(1)) if ties == "davidson" else None
 
     def forward(self, input_ids, attention_mask=None, packed: dict | None = None):
         return crm_logits(self.model, input_ids, attention_mask, packed).squeeze(-1)
@@ -130,19 +144,33 @@ class PointwiseCRM(nn.Module):
 
     def loss_sums(self, batch: dict) -> dict:
         """L_ranking summed over the batch's pairs: -log sigmoid(r_c - r_r - margin)
-        (+ center_coef * (r_c + r_r)^2), the metrics summed alongside, and the pair count `n`."""
+        (+ center_coef * (r_c + r_r)^2), or with ties Davidson's negative log-likelihood of each
+        pair's label (the margin on won pairs); the metrics summed alongside, and the pair count
+        `n`."""
         if not batch["input_ids"].numel():
             return _empty_batch_sums(self, batch)
         rewards = self(**model_inputs(batch)).float()
         n = rewards.shape[0] // 2
         chosen, rejected = rewards[:n], rewards[n:]
         diff = chosen - rejected
-        loss = -F.logsigmoid(diff - self.margin).sum()
+        labels = batch.get("labels")
+        tie = (labels == LABEL_TIE) if labels is not None else torch.zeros_like(diff, dtype=torch.bool)
+        if self.tie_log_nu is None:
+            if bool(tie.any()):
+                raise ValueError("a tie reached a Bradley-Terry pointwise CRM: set loss.ties=davidson, "
+                                 "or transform.ties=drop")
+            loss = -F.logsigmoid(diff - self.margin).sum()
+            acc = (diff > 0).float().sum()
+        else:
+            logits = davidson_logits(torch.where(tie, diff, diff - self.margin), self.tie_log_nu.float())
+            target = torch.where(tie, LABEL_TIE, LABEL_A)
+            loss = F.cross_entropy(logits, target, reduction="sum")
+            acc = (logits.argmax(-1) == target).float().sum()
         if self.center_coef:
             # Reward centering (Eisenstein et al. 2023): keeps rewards near zero so that scores
             # from different runs are comparable.
             loss = loss + self.center_coef * ((chosen + rejected) ** 2).sum()
-        return {"loss": loss, "acc": (diff > 0).float().sum(), "n": n,
+        return {"loss": loss, "acc": acc, "n": n,
                 "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(), "margin": diff.sum()}
 
     def loss(self, batch: dict) -> dict:
@@ -166,4 +194,6 @@ def _empty_batch_sums(crm: nn.Module, batch: dict) -> dict:
     with eager():  # a one-token shape, rare: not worth a compiled graph of its own
         logits = crm(ids, torch.ones_like(ids))
     zero = logits.float().sum() * 0.0
+    if getattr(crm, "tie_log_nu", None) is not None:
+        zero = zero + crm.tie_log_nu.float().sum() * 0.0
     return {name: zero for name in crm.metrics} | {"n": 0}

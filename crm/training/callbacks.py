@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from crm.models.checkpoint import CARD, build_from_card, describe, export_checkpoint
+from crm.models.checkpoint import CARD, build_from_card, describe, export_checkpoint, tie_record
 from crm.models.export import export_crm
 from crm.models.lora import merged_weights
 
@@ -60,6 +60,7 @@ class ExportBest(L.Callback):
     def __init__(self, out_dir: str | Path, card: CheckpointCard, preemption=None):
         self.out_dir, self.card, self.preemption = Path(out_dir), card, preemption
         self._final: dict | None = None  # rank 0: the gathered final weights (no best checkpoint)
+        self._ties: dict | None = None  # and the tie model of a Davidson pointwise CRM
 
     def _skipped(self) -> bool:
         return self.preemption is not None and self.preemption.preempted  # the requeued job exports
@@ -68,8 +69,9 @@ class ExportBest(L.Callback):
         if self._skipped() or _best_path(trainer):
             return
         final = full_model_state(pl_module)  # a collective: every rank, from any sharding
+        ties = full_tie_record(pl_module)  # a collective too, under FSDP
         if trainer.is_global_zero:
-            self._final = final
+            self._final, self._ties = final, ties
 
     def export(self, trainer: L.Trainer, pl_module) -> None:
         """Rank 0, after fit and after leaving the process group: no collective here."""
@@ -87,6 +89,8 @@ class ExportBest(L.Callback):
         if pl_module.lora:  # the adapters merged into the base, as crm-export does
             final = merged_weights(final, pl_module.lora)
             extra["lora"] = {**pl_module.lora, "form": "merged"}
+        if self._ties:
+            extra["ties"] = self._ties
         crm = build_from_card(self.card.card(pl_module), final)
         export_crm(crm.model, crm.tokenizer, self.out_dir, kind=crm.kind, template=crm.template,
                    max_tokens=crm.max_tokens, extra=extra)
@@ -101,6 +105,13 @@ def full_model_state(pl_module) -> dict:
 
     return get_model_state_dict(pl_module.crm.model,
                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_tie_record(pl_module) -> dict | None:
+    log_nu = getattr(pl_module.crm, "tie_log_nu", None)
+    if log_nu is not None and hasattr(log_nu, "full_tensor"):  # an FSDP2 shard: gathered
+        log_nu = log_nu.full_tensor()
+    return tie_record(None if log_nu is None else log_nu.detach().cpu())
 
 
 def local_bytes(tensors) -> int:

@@ -202,9 +202,9 @@ def type_name(annotation) -> str:
 
 def _ties_left_out(run, ties: int) -> str:
     """What leaves `ties` tie records out of the run, and the setting that trains them."""
-    if run.loss.kind == "pointwise":  # a pointwise CRM with keep is refused: the fix is the loss
-        return (f"transform.ties=drop leaves out the {ties} ties (a pointwise CRM's pair needs a "
-                "winner); loss=cls transform.ties=keep trains them (a 3-way head that can say tie)")
+    if run.loss.kind == "pointwise":  # a Bradley-Terry CRM with keep is refused: the fix is the loss
+        return (f"transform.ties=drop leaves out the {ties} ties; loss.ties=davidson "
+                "transform.ties=keep trains them (Bradley-Terry with ties)")
     return (f"transform.ties=drop leaves out the {ties} ties; transform.ties=keep trains them (a "
             "3-way head that can say tie)")
 
@@ -247,12 +247,13 @@ def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,
                           "written by `crm-data shard`): re-shard the data, or train with "
                           "noise=none or remove")
     keep_ties = run.transform.ties == "keep"
-    if keep_ties and run.loss.kind == "pointwise":
+    if keep_ties and run.loss.kind == "pointwise" and run.loss.ties == "none":
         # The stream would refuse it too, but only inside fit, after the tokenizer, as a traceback.
         ties = sum(s.ties for shards in manifest.splits.values() for s in shards)
         raise ConfigError(f"transform.ties=keep with a pointwise CRM (loss=ranking), whose pair needs "
-                          f"a winner: it cannot learn the data's {ties} ties; keep them with loss=cls "
-                          "(a 3-way head that can say tie), or set transform.ties=drop")
+                          f"a winner: it cannot learn the data's {ties} ties; keep them with "
+                          "loss.ties=davidson (Bradley-Terry with ties) or loss=cls (a 3-way head "
+                          "that can say tie), or set transform.ties=drop")
     train, val = ({} if split not in manifest.splits else manifest.splits[split]
                   for split in ("train", "val"))
     n_train = sum(s.eligible(keep_ties) for s in train)

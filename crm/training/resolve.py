@@ -1,12 +1,13 @@
 """A crm-train run's automatic choices, decided once at start, in one place, and their record.
 
-`compile`, `stream.packing`, `micro_batch_size`, `parallel.sharding` and `parallel.timeout_minutes`
-may say `auto`, and a LoRA run records its adapters and base. `resolve` decides all of them from
-the run's settings and this machine (the trainer's device, inductor, the GPU's memory), before any
-data is read, and refuses what cannot run in one line (ConfigError); its checks run against what
-it decided. The answer, `Resolved`, is kept whole in the run config (every checkpoint's
-`crm_config`, the export's crm.json, the logger's hyperparameters) and in metrics.json, so that a
-run is read back as it ran, never as `auto` (docs/DESIGN.md section 9).
+`compile`, `stream.packing`, `micro_batch_size`, `parallel.sharding`, `parallel.timeout_minutes`
+and `transform.ties` may say `auto`, and a LoRA run records its adapters and base. `resolve`
+decides them from the run's settings and this machine (the trainer's device, inductor, the GPU's
+memory), before any data is read (`transform.ties` with the settings themselves,
+crm.data.transforms.tie_policy), and refuses what cannot run in one line (ConfigError); its
+checks run against what it decided. The answer, `Resolved`, is kept whole in the run config
+(every checkpoint's `crm_config`, the export's crm.json, the logger's hyperparameters) and in
+metrics.json, so that a run is read back as it ran, never as `auto` (docs/DESIGN.md section 9).
 
 `run` is crm-train's settings object (crm.cli.train.TrainConfig), read by attribute: this layer
 does not import the command line.
@@ -36,6 +37,7 @@ class Resolved:
     sharding: str  # fsdp | hsdp (crm.perf.network.choose_sharding under auto)
     timeout_minutes: int | float | None  # the process group's (crm.perf.memory under auto)
     lora: dict | None  # the adapters and their base (crm.models.lora.base_record); None: full
+    ties: str  # keep | drop (crm.data.transforms.tie_policy under auto, decided with the settings)
 
     def record(self) -> dict:
         return asdict(self)
@@ -52,6 +54,7 @@ class Resolved:
         run_config["stream"]["packing"] = self.packing
         run_config["parallel"]["sharding"] = self.sharding
         run_config["parallel"]["timeout_minutes"] = self.timeout_minutes
+        run_config["transform"]["ties"] = self.ties
         run_config["resolved"] = self.record()
         return run_config
 
@@ -97,7 +100,7 @@ def resolve(run, environment: Environment | None = None) -> Resolved:
     parallel = resolve_timeout(parallel, run, run.model.vocab_size, lora)
     return Resolved(compile=compile, packing=packing, micro_batch_size=micro_batch,
                     accumulation=accumulation, sharding=parallel.sharding,
-                    timeout_minutes=parallel.timeout_minutes, lora=lora)
+                    timeout_minutes=parallel.timeout_minutes, lora=lora, ties=run.transform.ties)
 
 
 def device_type(trainer: dict) -> str:

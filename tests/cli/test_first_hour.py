@@ -287,7 +287,9 @@ def test_ties_a_run_drops_are_counted_at_start_and_all_ties_are_refused(root, ca
         f"out the {ties} ties; transform.ties=keep trains them (a 3-way head that can say tie)"]
     assert tie_warnings("transform.ties=keep") == []
     pointwise = tie_warnings("loss=ranking", "transform.ties=drop")
-    assert len(pointwise) == 1 and "loss=cls transform.ties=keep trains them" in pointwise[0]
+    assert len(pointwise) == 1 and "loss.ties=davidson transform.ties=keep trains them" in pointwise[0]
+    assert tie_warnings("loss=ranking") == pointwise  # ties=auto: a Bradley-Terry CRM drops them
+    assert tie_warnings("loss=ranking", "loss.ties=davidson") == []  # ties=auto keeps them
 
     only_ties = root / "ties.jsonl"
     only_ties.write_text("".join(json.dumps(r) + "\n" for _, r in make_records(8, tie_every=1)))
@@ -302,7 +304,8 @@ def test_ties_a_run_drops_are_counted_at_start_and_all_ties_are_refused(root, ca
                    f"data.path={root / 'shards'}", "loss=ranking", "transform.ties=keep", "name=pk")
     assert line == (f"crm-train: transform.ties=keep with a pointwise CRM (loss=ranking), whose pair "
                     f"needs a winner: it cannot learn the data's {ties + val_ties} ties; "
-                    "keep them with loss=cls (a 3-way head that can say tie), or set transform.ties=drop")
+                    "keep them with loss.ties=davidson (Bradley-Terry with ties) or loss=cls (a "
+                    "3-way head that can say tie), or set transform.ties=drop")
     assert [p.name for p in (root / "outputs" / "pk").iterdir()] == ["train.log"]
 
 

@@ -299,11 +299,24 @@ def test_ties_only_leave_nothing_to_train(tmp_path):
     assert len(make_loader(shards, ties="keep")) == 1
 
 
+def test_a_pointwise_batch_labels_its_ties_and_keeps_their_order(tmp_path):
+    records = [("t0", train_dict("t0", "tie")), ("w1", train_dict("w1", "model_b"))]
+    shards = write_shard_dir(tmp_path, [records]).shards("train")
+    transform = TransformConfig(ties="keep", swap_prob=0.0)
+    (batch,) = list(make_loader(shards, mode="pointwise", transform=transform, batch_size=2))
+    labels = dict(zip(batch["keys"], batch["labels"].tolist()))
+    assert sorted(labels.values()) == [LABEL_A, LABEL_TIE]  # the won pair: its chosen row first
+    n = len(batch["keys"])
+    for i, key in enumerate(batch["keys"]):
+        first, second = row_text(batch, i), row_text(batch, n + i)
+        # the won pair's chosen row (B's) first; a tie's rows in the order shown: A, then B
+        assert ("beta reply" in first) == (labels[key] == LABEL_A), key
+        assert ("alpha reply" in second) == (labels[key] == LABEL_A), key
+
+
 def test_bad_settings_refused(shards3):
     with pytest.raises(ValueError, match="mode='listwise'"):
         StreamConfig(batch_size=4, mode="listwise")
-    with pytest.raises(ValueError, match="pointwise training cannot use ties"):
-        make_loader(shards3, mode="pointwise", ties="keep")
     with pytest.raises(ValueError, match="criteria pool"):
         make_loader(shards3, transform=TransformConfig(noise="add"))
     with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
@@ -475,7 +488,7 @@ def test_pointwise_rows_chosen_then_rejected(shards3, direction):
     assert sorted(keys_of(batches)) == sorted(DECIDED)
     for batch in batches:
         n = len(batch["keys"])
-        assert "labels" not in batch
+        assert batch["labels"].tolist() == [LABEL_A] * n  # each pair won by its first row
         assert batch["input_ids"].shape[0] == batch["attention_mask"].shape[0] == 2 * n
         for i, key in enumerate(batch["keys"]):
             a_wins = BY_KEY[key]["human_winner"] == "model_a"

@@ -15,7 +15,7 @@ import pytest
 from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, eval_example, swap
 from crm.core.records import NO_TOPIC, parse_test, parse_train
 from crm.data.transforms import (CriteriaPool, TransformConfig, apply_noise, check_one_sided, record_rng,
-                                 train_example)
+                                 tie_policy, train_example)
 
 QUERY = "Plan a weekend in Lisbon"
 LABEL_OF_SIDE = {"model_a": LABEL_A, "model_b": LABEL_B}
@@ -309,6 +309,32 @@ def test_a_kept_tie_has_the_tie_label_and_one_sides_criteria():
             assert ex.criteria in (tie.a_criteria, tie.b_criteria)
             shown[ex.criteria] += 1
     assert set(shown) == {tie.a_criteria, tie.b_criteria}
+
+
+def test_auto_keeps_ties_for_a_pairwise_crm_and_drops_them_for_a_pointwise_one():
+    assert tie_policy("auto", "pairwise") == "keep" and tie_policy("auto", "pointwise") == "drop"
+    assert tie_policy("drop", "pairwise") == "drop" and tie_policy("keep", "pairwise") == "keep"
+    with pytest.raises(ValueError, match="auto"):
+        TransformConfig(ties="auto").num_labels
+
+
+@pytest.mark.parametrize("noise", ["add", "remove", "replace", "random"])
+@pytest.mark.parametrize("shape", ["tie", "user"])
+def test_noise_leaves_criteria_that_were_not_written_for_the_pair_alone(noise, shape):
+    d = record_dict(3, 3, winner="tie" if shape == "tie" else "model_a", idx=shape)
+    if shape == "tie":
+        d["b_criteria"], d["b_broad_criteria_topic"] = d["a_criteria"], d["a_broad_criteria_topic"]
+    record = parse_train({**d, "shape": shape})
+    decides = parse_train(record_dict(3, 3))
+    pool = CriteriaPool.from_records([parse_train(p) for p in extra_pool_dicts()])
+    cfg = TransformConfig(ties="keep", noise=noise, swap_prob=0.0)
+    changed = 0
+    for i in range(40):
+        ex = train_example(record, f"k{i}", cfg, record_rng(0, 0, f"k{i}"), pool)
+        assert ex.criteria == record.a_criteria
+        changed += train_example(decides, f"k{i}", cfg, record_rng(0, 0, f"k{i}"),
+                                 pool).criteria != decides.a_criteria
+    assert changed  # the same noise does change criteria that decide the pair
 
 
 def test_a_tie_reaching_the_transforms_under_drop_raises():

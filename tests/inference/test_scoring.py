@@ -203,3 +203,31 @@ def test_load_an_export_and_a_training_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="no crm_card in the checkpoint"):
         torch.save({"state_dict": {}, "global_step": 0}, ckpt)
         CRMScorer.load(ckpt)
+
+
+def test_a_davidson_crm_gives_its_tie_probability_from_an_export_and_a_checkpoint(tmp_path):
+    import math
+
+    from crm.models.checkpoint import describe
+    from crm.models.heads import davidson_logits
+
+    ties = {"model": "davidson", "log_nu": math.log(3.0)}
+    scorer = tiny_scorer("pointwise", ties=ties)
+    examples = leaderboard_examples(n_queries=1, n_candidates=3)
+    probs = scorer.pair_probabilities(examples)
+    rewards = scorer.score_many([(e.criteria, e.query, c) for e in examples for c in (e.conv_a, e.conv_b)])
+    expected = davidson_logits(rewards[0::2] - rewards[1::2], torch.tensor([math.log(3.0)])).softmax(-1)
+    torch.testing.assert_close(probs, expected)
+    assert (probs[:, 2] > 0.4).all()  # near-equal rewards of a random model: ties, under nu = 3
+    export = tmp_path / "export"
+    export_crm(scorer.model, scorer.tokenizer, export, kind="pointwise", template=scorer.template,
+               max_tokens=1000, extra={"ties": ties})
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {**{f"crm.model.{k}": v for k, v in scorer.model.state_dict().items()},
+                               "crm.tie_log_nu": torch.tensor([math.log(3.0)])},
+                "global_step": 3, "crm_card": describe(scorer.model, scorer.tokenizer,
+                                                       kind="pointwise", template=scorer.template,
+                                                       max_tokens=1000)}, ckpt)
+    for path in (export, ckpt):
+        loaded = CRMScorer.load(path, device=torch.device("cpu"), dtype=torch.float32)
+        torch.testing.assert_close(loaded.pair_probabilities(examples), probs)

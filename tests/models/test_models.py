@@ -10,7 +10,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from crm.data.padding import pad_rows
 from crm.models.backbone import ARCHITECTURES, build_classifier, choose_attention, count_parameters
-from crm.models.heads import PairwiseCRM, PointwiseCRM, last_token_logits
+from crm.models.heads import PairwiseCRM, PointwiseCRM, davidson_logits, last_token_logits
 from crm.models.export import export_crm, load_export, read_meta
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.core.prompts import PromptEncoder, PromptTemplate
@@ -41,10 +41,10 @@ def test_attention_choice_on_cpu():
         choose_attention("flash_attention_2")
 
 
-def tiny_crm(kind: str, num_labels: int = 2, seed: int = 0):
+def tiny_crm(kind: str, num_labels: int = 2, seed: int = 0, ties: str = "none"):
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
-    return build_crm(ModelConfig(arch=TINY, attention="sdpa"), LossConfig(kind),
+    return build_crm(ModelConfig(arch=TINY, attention="sdpa"), LossConfig(kind, ties=ties),
                      num_labels=num_labels, pad_token_id=tok.pad_token_id, vocab_size=len(tok)), tok
 
 
@@ -105,9 +105,55 @@ def test_bradley_terry_loss_reads_chosen_then_rejected_rows():
     assert out["margin"].item() == pytest.approx(0.0)
 
 
-@pytest.mark.parametrize("kind", ["pairwise", "pointwise"])
+def davidson(d: float, nu: float) -> tuple[float, float, float]:
+    """Davidson (1970) as published: P(i) = pi_i / (pi_i + pi_j + nu sqrt(pi_i pi_j)), pi = e^r."""
+    pi_1, pi_2 = math.exp(d), 1.0
+    total = pi_1 + pi_2 + nu * math.sqrt(pi_1 * pi_2)
+    return pi_1 / total, pi_2 / total, nu * math.sqrt(pi_1 * pi_2) / total
+
+
+def test_davidson_logits_give_davidsons_probabilities():
+    for d, nu in ((0.0, 1.0), (1.3, 0.2), (-2.0, 5.0)):
+        got = davidson_logits(torch.tensor([d]), torch.tensor([math.log(nu)])).softmax(-1)[0]
+        assert got.tolist() == pytest.approx(davidson(d, nu), rel=1e-6)
+
+
+def test_davidson_loss_reads_ties_and_wins_and_learns_nu():
+    crm = build_crm(ModelConfig(arch=TINY, attention="sdpa"), LossConfig("pointwise", margin=0.5,
+                    ties="davidson"), num_labels=1, pad_token_id=0, vocab_size=64)
+    with torch.no_grad():
+        crm.tie_log_nu.fill_(math.log(2.0))
+    rewards = torch.tensor([2.0, 0.0, 1.0, 1.0])  # first rows 2, 0; second rows 1, 1
+    crm.forward = lambda input_ids, attention_mask: rewards
+    rows = torch.ones((4, 3), dtype=torch.long)
+    out = crm.loss({"input_ids": rows, "attention_mask": rows, "labels": torch.tensor([0, 2])})
+    won, tie = davidson(1 - 0.5, 2.0)[0], davidson(-1, 2.0)[2]  # the margin on the won pair only
+    assert out["loss"].item() == pytest.approx(-(math.log(won) + math.log(tie)) / 2, rel=1e-5)
+    # the tie is right (at d -1 a tie is likeliest under nu 2); so is a tie at the won pair's
+    # d - margin = 0.5, which is wrong
+    assert out["acc"].item() == 0.5
+    out["loss"].backward()
+    assert crm.tie_log_nu.grad is not None and crm.tie_log_nu.grad.item() != 0.0
+
+
+def test_a_tie_reaching_a_bradley_terry_crm_is_refused():
+    crm, _ = tiny_crm("pointwise")
+    crm.forward = lambda input_ids, attention_mask: torch.zeros(2)
+    rows = torch.ones((2, 3), dtype=torch.long)
+    with pytest.raises(ValueError, match="loss.ties=davidson"):
+        crm.loss({"input_ids": rows, "attention_mask": rows, "labels": torch.tensor([2])})
+
+
+def test_davidson_ties_are_a_pointwise_loss():
+    with pytest.raises(ValueError, match="3-way head"):
+        LossConfig("pairwise", ties="davidson")
+    with pytest.raises(ValueError, match="loss.ties=rao"):
+        LossConfig("pointwise", ties="rao")
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "pointwise", "davidson"])
 def test_an_empty_batch_gives_a_zero_loss_that_still_reaches_every_parameter(kind):
-    crm, tok = tiny_crm(kind)
+    crm, tok = tiny_crm(kind) if kind != "davidson" else tiny_crm("pointwise", ties="davidson")
     batch = {"input_ids": torch.zeros((0, 1), dtype=torch.long),
              "attention_mask": torch.zeros((0, 1), dtype=torch.long),
              "labels": torch.zeros(0, dtype=torch.long)}
