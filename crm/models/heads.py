@@ -118,6 +118,13 @@ def davidson_logits(diff: torch.Tensor, log_nu: torch.Tensor) -> torch.Tensor:
     return torch.stack([diff / 2, -diff / 2, log_nu.expand_as(diff)], dim=-1)
 
 
+TIE_PARAMETER = "tie_log_nu"  # PointwiseCRM's, by name (an FSDP2 parameter keeps its name)
+# AdamW moves every parameter about lr a step. A weight needs no more; log nu is one number that
+# must travel a few units (a tie's odds where rewards are equal, from even at nu = 1 to the data's
+# rate), which at the model's lr it would not finish in a run: it trains at this multiple.
+TIE_LR_SCALE = 100.0
+
+
 class PointwiseCRM(nn.Module):
     """criteria + query + one response -> a scalar reward; Bradley-Terry over chosen/rejected,
     or with `ties="davidson"` Davidson's model with ties, its log nu (`tie_log_nu`) learned.

@@ -9,6 +9,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from crm.core.errors import ConfigError
 from crm.models.checkpoint import LORA
+from crm.models.heads import TIE_LR_SCALE, TIE_PARAMETER
 from crm.training.config import OptimConfig
 from crm.training.parallel import (ParallelConfig, all_ranks_sum, build_sharded, data_parallel_mesh,
                                    prepare_layers)
@@ -174,17 +175,19 @@ class CRMModule(L.LightningModule):
         return bool(every) and (self.trainer.global_step + 1) % every == 0
 
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for p in self.crm.parameters():
+        decay, no_decay, tie = [], [], []
+        for name, p in self.crm.named_parameters():
             if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
+                (tie if name == TIE_PARAMETER else decay if p.ndim >= 2 else no_decay).append(p)
         o = self.optim
         # One fused kernel for the whole update on CUDA instead of a few per parameter group;
         # elsewhere torch's default (foreach), which the CPU figures were measured with.
         fused = True if decay and decay[0].device.type == "cuda" else None
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
+        groups = [{"params": decay, "weight_decay": o.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if tie:
+            groups.append({"params": tie, "weight_decay": 0.0, "lr": o.lr * TIE_LR_SCALE})
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
         total = self.trainer.estimated_stepping_batches
         scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             optimizer, num_warmup_steps=min(o.warmup_steps, total), num_training_steps=total,
