@@ -3,9 +3,10 @@
 
 The demo benchmark's responses are rendered from known style attributes (crm.data.demo), so a
 user whose criteria name some poles has a known verdict on every (query, model) pair against the
-baseline. The rule: for each criterion's pole, a response scores 1 when it has that pole; the
-model wins when its score beats the baseline's, loses when it is below. When the criteria do not
-tell the two apart, two kinds of user: `even` calls it a tie; `taste` falls back on the demo's
+baseline. The rule (crm.data.demo.rule_verdict, the demo's training label for such criteria):
+for each criterion's pole, a response scores 1 when it has that pole; the model wins when its
+score beats the baseline's, loses when it is below. When the criteria do not tell the two apart,
+two kinds of user: `even` calls it a tie; `taste` falls back on the demo's
 crowd taste (crm.data.demo.CROWD_TASTE, what the demo's voters follow) over the attributes on
 which the two differ, a tie only when they differ on none. Each criteria set gets `--users` users
 of each kind. The user is not a rule: on each pair, with probability `--noise` (0.10), their
@@ -28,9 +29,11 @@ the user on the win indicator PPI uses (a tie is not a win), rho^2 (the share of
 indicator's variance within a model that the CRM's P(win) explains; a model's own rectifier
 then has sqrt(1 - rho^2) of its votes-only sd), PPI's intervals at the oracle tau^2 (the true
 spread of the CRM's error across models, which the votes only bound), and the CRM's agreement
-with the user's rule by how the criteria meet the pair (`pair_shapes`: `exact` is the demo's
-training shape). `--synthetic-crm ERROR` replaces the CRM by the user's own rule with its win
-verdict flipped on that share of the pairs: what the same estimator gives with a CRM that fits.
+with the user's rule by how the criteria meet the pair (`pair_shapes`: `exact` is the paper's
+training shape) and by what the rule says (`crm_verdict_agreement`: every pair, the pairs it gives
+a side, and its ties: tie recall). `--synthetic-crm ERROR` replaces the CRM by the user's own rule
+with its win verdict flipped on that share of the pairs: what the same estimator gives with a CRM
+that fits.
 
     nice -n 5 python benchmarks/usl_coverage.py [--checkpoint outputs/demo/export]
         [--bench .cache/demo/raw/bench.jsonl] [--sets 20] [--users 6] [--votes 50] [--level 0.95]
@@ -48,12 +51,13 @@ import numpy as np
 
 from crm.data.demo import (ATTRIBUTES, BENCH_BASELINE, CAVEAT_MARKERS, CROWD_TASTE,
                            EXAMPLE_MARKERS, HELDOUT_WORDINGS, POLES, STRUCTURE, TRAIN_WORDINGS,
-                           bench_styles)
+                           bench_styles, rule_verdict)
 from crm.evaluation.leaderboard import (LOSS, TIE, WIN, Bootstrap, Outcome, judge, select,
                                         win_rates)
 from crm.evaluation.ppi import CellData, ppi_group, wilson
 
 VERDICTS = (WIN, TIE, LOSS)
+RULE = {"model_a": WIN, "model_b": LOSS, "tie": TIE}  # rule_verdict's first side is the model
 
 
 def draw_criteria(rng: np.random.Generator, wordings: dict) -> tuple[list[str], list[str]]:
@@ -65,20 +69,21 @@ def draw_criteria(rng: np.random.Generator, wordings: dict) -> tuple[list[str], 
 
 
 def rule_verdicts(styles: dict, records, models, poles, taste: bool) -> dict:
-    """(idx, model) -> the verdict the criteria's poles give, model against the baseline; when
-    they do not separate the two, a tie, or with `taste` the crowd's taste's verdict."""
+    """(idx, model) -> the verdict the criteria's poles give, model against the baseline
+    (crm.data.demo.rule_verdict, the demo's training label); when they do not separate the two,
+    a tie, or with `taste` the crowd's taste's verdict."""
     wanted = [POLES[p] for p in poles]
     out = {}
     for q, record in enumerate(records):
         baseline = styles[BENCH_BASELINE][q]
-        base = sum(baseline[a] == side for a, side in wanted)
         for model in models:
             style = styles[model][q]
-            score = sum(style[a] == side for a, side in wanted) - base
-            if score == 0 and taste:
+            verdict = RULE[rule_verdict(style, baseline, wanted)]
+            if verdict == TIE and taste:
                 score = sum(weight if style[a] == favoured else -weight
                             for a, (favoured, weight) in CROWD_TASTE.items() if style[a] != baseline[a])
-            out[record.idx, model] = WIN if score > 0 else LOSS if score < 0 else TIE
+                verdict = WIN if score > 0 else LOSS if score < 0 else TIE
+            out[record.idx, model] = verdict
     return out
 
 
@@ -234,6 +239,10 @@ def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot
             "agreement": agreement, "votes": len(mine)})
 
 
+def _share(hits: list[bool]) -> float | None:
+    return round(float(np.mean(hits)), 4) if hits else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default="outputs/demo/export")
@@ -280,6 +289,8 @@ def main() -> None:
     sets, tie_verdicts = [], []
     by_shape = {(kind, user, shape): [] for kind in ("train", "heldout")
                 for user in ("even", "taste") for shape in SHAPES}
+    by_rule = {(kind, user, verdict): [] for kind in ("train", "heldout")
+               for user in ("even", "taste") for verdict in ("decided", "tie")}
     for kind, wordings in (("train", TRAIN_WORDINGS), ("heldout", HELDOUT_WORDINGS)):
         for _ in range(args.sets):
             criteria, poles = draw_criteria(rng, wordings)
@@ -297,6 +308,8 @@ def main() -> None:
                 boot = {r["model"]: r for r in win_rates(outcomes, models, topics, boot_spec)}
                 for k in keys:
                     by_shape[kind, user_kind, shapes[k]].append(crm[k].result == rule[k])
+                    by_rule[kind, user_kind, "tie" if rule[k] == TIE else "decided"].append(
+                        crm[k].result == rule[k])
                 for _ in range(args.users):
                     simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot,
                              ppi_spec, cases[kind, user_kind])
@@ -325,6 +338,15 @@ def main() -> None:
                 **{f"{user}_user": round(float(np.mean(by_shape[kind, user, shape])), 4)
                    if by_shape[kind, user, shape] else None for user in ("even", "taste")}}
                 for shape in SHAPES} for kind in ("train", "heldout")},
+        # the CRM's win / tie / loss verdict against the user's rule (before their noise): on
+        # every pair, where the rule gives a side, and where it gives a tie (tie recall)
+        "crm_verdict_agreement": {
+            f"{kind}_wordings": {f"{user}_user": {
+                "all": _share(by_rule[kind, user, "decided"] + by_rule[kind, user, "tie"]),
+                "decided": _share(by_rule[kind, user, "decided"]),
+                "tie": _share(by_rule[kind, user, "tie"]),
+                "rule_ties": len(by_rule[kind, user, "tie"])}
+                for user in ("even", "taste")} for kind in ("train", "heldout")},
         "crm_tie_verdicts": round(float(np.mean([o == TIE for o in tie_verdicts])), 4),
         "cpu": platform.processor() or platform.machine(), "torch_threads": args.threads,
         "wall_seconds": round(time.perf_counter() - started, 1),

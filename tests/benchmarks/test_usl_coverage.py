@@ -48,3 +48,20 @@ def test_within_model_rho2_ignores_what_differs_only_between_models():
     fc = np.array([.3, -.5, .3, -.1, 0, 0, 0, 0])
     expected = (yc @ fc) ** 2 / ((yc @ yc) * (fc @ fc))
     assert usl_coverage.within_model_r2(y, f, model_of) == pytest.approx(expected)
+
+
+def test_the_users_rule_is_the_demos_training_label():
+    # criteria: detailed, bullets; the model against the baseline
+    base = (0, 0, 0, 0, 0, 0)
+    styles = {BENCH_BASELINE: [base, base, base, (0, 1, 0, 0, 0, 0), base],
+              "m": [(1, 1, 0, 0, 0, 0),   # both named poles for m: a win
+                    (0, 0, 1, 1, 1, 1),   # no named attribute differs: a tie, or taste's verdict
+                    (1, 0, 0, 0, 0, 0),   # one named pole for m, none against: a win
+                    (1, 0, 0, 0, 0, 0),   # length for m, bullets for the baseline: a tie
+                    (0, 0, 0, 0, 0, 0)]}  # the same style: a tie whatever the user
+    records = [SimpleNamespace(idx=f"q{i}") for i in range(5)]
+    even = usl_coverage.rule_verdicts(styles, records, ["m"], ["detailed", "bullets"], taste=False)
+    taste = usl_coverage.rule_verdicts(styles, records, ["m"], ["detailed", "bullets"], taste=True)
+    assert [even[f"q{i}", "m"] for i in range(5)] == ["win", "tie", "win", "tie", "tie"]
+    # the crowd's taste favours examples, casual tone, caution and detail; disfavours imagery
+    assert [taste[f"q{i}", "m"] for i in range(5)] == ["win", "win", "win", "win", "tie"]
