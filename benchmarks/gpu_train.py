@@ -247,7 +247,7 @@ class Runner:
             f"+callbacks.bench={{_target_: gpu_train.StepStats, out: '{out}', warmup: {warmup}, "
             f"timed: {timed}, sync_micro_batches: {SYNC_MICRO_BATCHES if sync else 0}, "
             f"log_every: [{log_every[0]}, {log_every[1]}]}}",
-            *(["loss=ranking"] if mode == "pointwise" else []),
+            *(["loss=ranking"] if mode == "pointwise" else ["loss=cls"]),
         ]
         if cuda:
             overrides += ["trainer=fsdp", "trainer.devices=1", "compile=true",

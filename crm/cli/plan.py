@@ -28,6 +28,7 @@ from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, register_schema, settings
 from crm.core.errors import ConfigError
 from crm.core.files import write_json
+from crm.data.transforms import TransformSettings, tie_policy
 from crm.models.config import LoraConfig, LossConfig, ModelConfig
 from crm.perf.scoring import ScoreSettings
 from crm.training.config import ParallelConfig
@@ -101,7 +102,8 @@ def planned_run(run: PlanConfig) -> SimpleNamespace:
     """What crm-train's `resolve` (crm.training.resolve) reads of a run, as this plan states it:
     crm-plan asks `resolve` the question crm-train asks at start, for the GPU node it plans, and
     prints its answer (`resolved`), the record crm-train keeps. A plan without a global batch runs
-    one micro batch per optimizer step; the head is pairwise's two labels (transform.ties=drop)."""
+    one micro batch per optimizer step; ties as crm-train's `transform.ties=auto` decides them
+    (a pairwise head of three labels)."""
     world = run.trainer.num_nodes * run.trainer.devices
     return SimpleNamespace(
         trainer={"accelerator": "gpu", "devices": run.trainer.devices,
@@ -112,7 +114,7 @@ def planned_run(run: PlanConfig) -> SimpleNamespace:
         micro_batch_size=run.micro_batch_size, max_micro_batch_size=run.max_micro_batch_size,
         parallel=ParallelConfig(activation_checkpointing=run.activation_checkpointing,
                                 sharding=run.sharding, grad_sync=run.grad_sync),
-        lora=run.lora, transform=SimpleNamespace(num_labels=2))
+        lora=run.lora, transform=TransformSettings(ties=tie_policy("auto", run.kind)))
 
 
 def planned_resolution(run: PlanConfig) -> dict:

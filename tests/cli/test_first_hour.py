@@ -282,10 +282,11 @@ def test_ties_a_run_drops_are_counted_at_start_and_all_ties_are_refused(root, ca
         return [r.getMessage() for r in caplog.records if "ties" in r.getMessage()]
 
     assert 0 < ties < n_train
-    assert tie_warnings("transform.ties=drop") == [
+    assert tie_warnings("loss=cls", "transform.ties=drop") == [
         f"{where}: {ties} of the {n_train} training records are ties: transform.ties=drop leaves "
         f"out the {ties} ties; transform.ties=keep trains them (a 3-way head that can say tie)"]
-    assert tie_warnings("transform.ties=keep") == []
+    assert tie_warnings("loss=cls", "transform.ties=keep") == []
+    assert tie_warnings() == []  # ties=auto and the default CRM, which says tie: kept
     pointwise = tie_warnings("loss=ranking", "transform.ties=drop")
     assert len(pointwise) == 1 and "loss.ties=davidson transform.ties=keep trains them" in pointwise[0]
     assert tie_warnings("loss=ranking") == pointwise  # ties=auto: a Bradley-Terry CRM drops them

@@ -99,7 +99,8 @@ def test_tie_votes_go_from_votes_to_an_export_that_can_say_tie(tmp_path, capsys)
     assert by_shape == {("decides", "model_a"): 8, ("decides", "model_b"): 8, ("tie", "tie"): 23}
 
     exported = [o if o != "export=false" else "export=true" for o in QUICK]
-    done = command("crm-train", "data=shards", f"data.path={shards}", *exported, "transform.ties=keep",
+    done = command("crm-train", "data=shards", f"data.path={shards}", *exported, "loss=cls",
+                   "transform.ties=keep",
                    "name=ties", root=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "are ties" not in done.stderr  # kept: no warning that they are left out

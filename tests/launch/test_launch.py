@@ -681,7 +681,7 @@ def test_train_sbatch_end_to_end_preempted_requeued_and_resumed(tmp_path):
     exits 0; the requeued job (same id) resumes from last.ckpt and finishes."""
     from crm.data.demo import DemoConfig, prepare_demo
 
-    demo = ["data.demo.n_train=386", "data.demo.n_test=20", "data.demo.n_bench=4"]
+    demo = ["data.demo.n_train=386", "data.demo.n_user=0", "data.demo.n_test=20", "data.demo.n_bench=4"]
     fake = FakeSlurm(tmp_path, job_id=free_job_id(), nodes=1, tasks_per_node=2)
     cfg = compose_cfg("train", [*demo, f"paths.root_dir={fake.root}"])
     shards = prepare_demo(DemoConfig(**cfg.data.demo))  # once, before the ranks start

@@ -52,12 +52,12 @@ RUN_TIMEOUT = 240  # seconds; a healthy run takes 10-40 s on the (shared) 2-core
 # train on them with every 7th query too long to fit (with_long_queries): the length policy drops
 # those, so micro batches hold 0 to 4 examples and ranks differ; the loss (sum over the step's
 # examples / their global count) makes every run's gradients the one-process reference's anyway.
-DEMO = ["data.demo.n_train=386", "data.demo.n_test=20", "data.demo.n_bench=4"]
+DEMO = ["data.demo.n_train=386", "data.demo.n_user=0", "data.demo.n_test=20", "data.demo.n_bench=4"]
 TRAIN_RECORDS, RANK_BATCH, LONG_EVERY = 360, 4, 7
 LONG_SHARDS = "long_shards"  # under the root
 DATA = ["data=shards", f"data.path=${{paths.root_dir}}/{LONG_SHARDS}"]
-SMALL = [*DATA, "model.arch.hidden_size=32", "model.arch.num_hidden_layers=2",
-         "model.arch.intermediate_size=64", "model.vocab_size=300",
+SMALL = [*DATA, "loss=cls", "transform.ties=drop", "model.arch.hidden_size=32",
+         "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=64", "model.vocab_size=300",
          "trainer.enable_progress_bar=false", "evaluate=false", "trainer.log_every_n_steps=1",
          "early_stopping_patience=0", "stream.num_workers=0", "torch_threads=1",
          # A constant learning rate: the schedule does not depend on max_steps, so a run resumed

@@ -230,8 +230,8 @@ def test_user_shards_train(tmp_path, recwarn, caplog, capsys):
     assert manifest["splits"]["val"]["counts"]["written"] >= 4  # at least one validation batch
     run_dir = tmp_path / "run"
     metrics = run_train(tmp_path, run_dir, "data=shards", f"data.path={tmp_path / 'shards'}",
-                        "noise=add", "val_every_n_steps=2", "export=true", "evaluate=true",
-                        demo=False)
+                        "loss=cls", "noise=add", "val_every_n_steps=2", "export=true",
+                        "evaluate=true", demo=False)
     assert metrics["train"]["global_step"] == 2
     assert math.isfinite(metrics["train"]["best_val_loss"])
     assert "eval" not in metrics  # data.test_files is empty for user shards
@@ -253,12 +253,12 @@ def test_user_shards_train(tmp_path, recwarn, caplog, capsys):
 
 # -- 3. the demo chain: train -> export -> evaluate -----------------------------------------------
 
-@pytest.mark.parametrize("loss", ["cls", "ranking"])
-def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss, ties", [("cls", "none"), ("ranking", "none"), ("ranking", "davidson")])
+def test_demo_chain_trains_exports_and_evaluates(loss, ties, demo_root, tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from crm.models.heads import last_token_logits
+    from crm.models.heads import davidson_logits, last_token_logits
     from crm.inference.scorer import CRMScorer
 
     from transformers.utils import logging as hf_logging
@@ -269,7 +269,7 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monk
     monkeypatch.setattr(hf_logging, "disable_progress_bar", lambda: figures.append("no hf bars"))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a batch job's log, also under -s
     # Evaluation refuses a test pair that cannot fit: 384 tokens fit every demo pair.
-    metrics = run_train(demo_root, run_dir, f"loss={loss}", "trainer.max_steps=4",
+    metrics = run_train(demo_root, run_dir, f"loss={loss}", f"loss.ties={ties}", "trainer.max_steps=4",
                         "val_every_n_steps=2", "stream.max_tokens=384", "logger=csv",
                         "trainer.log_every_n_steps=1",
                         "export=true", "evaluate=true")
@@ -300,12 +300,21 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monk
     assert meta["kind"] == ("pairwise" if loss == "cls" else "pointwise")
     assert meta["source"] == best and meta["max_tokens"] == 384
     assert meta["config"]["loss"]["name"] == loss
+    # transform.ties=auto: kept where the CRM can say tie (the 3-way head, Davidson's model)
+    assert meta["config"]["transform"]["ties"] == ("drop" if (loss, ties) == ("ranking", "none")
+                                                   else "keep")
+    if ties == "davidson":
+        # 4 steps inside the 30-step warmup move a weight by at most 1e-3 * (1+2+3+4) / 30; log nu
+        # trains at TIE_LR_SCALE times the rate
+        assert meta["ties"]["model"] == "davidson" and abs(meta["ties"]["log_nu"]) > 0.005
+    else:
+        assert "ties" not in meta
 
     # Plain transformers loads the export, with the weights of the best checkpoint.
     model = AutoModelForSequenceClassification.from_pretrained(export, local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
     assert model.config.pad_token_id == tokenizer.pad_token_id is not None
-    assert model.config.num_labels == (2 if loss == "cls" else 1)
+    assert model.config.num_labels == (3 if loss == "cls" else 1)
     saved = model_weights(load_checkpoint(best))
     for name, tensor in model.state_dict().items():
         if name in saved:
@@ -328,6 +337,9 @@ def test_demo_chain_trains_exports_and_evaluates(loss, demo_root, tmp_path, monk
     torch.testing.assert_close(plain, ours, rtol=1e-5, atol=1e-5)
     if loss == "cls":
         p_a = torch.softmax(plain[0], -1)[0].item()
+    elif ties == "davidson":
+        p_a = davidson_logits(plain[0, 0] - plain[1, 0], torch.tensor(meta["ties"]["log_nu"])
+                              ).softmax(-1)[0].item()
     else:
         p_a = torch.sigmoid(plain[0, 0] - plain[1, 0]).item()
     p_scorer = scorer.compare(criteria, query, a[0].content, b[0].content)
@@ -415,8 +427,8 @@ def test_a_custom_template_trains_and_survives_export(demo_root, tmp_path, monke
 
     monkeypatch.setattr(CRMModule, "training_step", training_step)
     run_dir = tmp_path / "run"
-    run_train(demo_root, run_dir, f"template.pairwise='{CUSTOM}'", f"template.system='{SYSTEM}'",
-              "val_every_n_steps=2", "export=true")
+    run_train(demo_root, run_dir, "loss=cls", f"template.pairwise='{CUSTOM}'",
+              f"template.system='{SYSTEM}'", "val_every_n_steps=2", "export=true")
     expected = PromptTemplate(pairwise=CUSTOM, system=SYSTEM)
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "export")
     trained = tokenizer.decode(seen[0])
