@@ -24,11 +24,11 @@ $(BIN)/.installed: setup.py Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(RL_CLIENTS)
 	touch $@
 
-# The embedded CPU demo: generate data -> shard -> train the tiny pairwise CRM -> export ->
-# evaluate on the held-out test files (outputs/demo/metrics.json). A rerun resumes the same run;
+# The embedded CPU demo: generate data -> shard -> train the tiny pointwise CRM with ties -> export
+# -> evaluate on the held-out test files (outputs/demo/metrics.json). A rerun resumes the same run;
 # `make demo ARGS="name=other"` starts a new one. Then crm-eval (outputs/eval/<name>) and
-# crm-leaderboard under two contradictory criteria sets (outputs/leaderboard/<name>), each pair
-# judged in both orders (the tiny model flips 2-25% of its verdicts when A and B swap, by test set).
+# crm-leaderboard under two contradictory criteria sets (outputs/leaderboard/<name>; a pairwise
+# CRM, ARGS="loss=cls", judged in both orders: a pointwise one has no order to swap).
 demo: install
 	$(BIN)/crm-train $(ARGS)
 	@root=$${CRM_ROOT:-.}; name=$$(echo " $(ARGS)" | sed -n 's/.* name=\([^ ]*\).*/\1/p'); \

@@ -16,7 +16,7 @@ def _demo(args) -> int:
     from crm.data.demo import write_demo
 
     written = write_demo(args.out_dir, seed=args.seed, n_train=args.n_train, n_test=args.n_test,
-                         n_bench=args.n_bench)
+                         n_bench=args.n_bench, n_user=args.n_user)
     for name, lines in written.items():
         print(f"{args.out_dir}/{name}: {lines} lines")
     return 0
@@ -262,7 +262,9 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="write the embedded demo data set")
     d.add_argument("out_dir")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--n-train", type=int, default=6000, help="training pairs")
+    d.add_argument("--n-train", type=int, default=6000, help="voted training pairs")
+    d.add_argument("--n-user", type=int, default=6000,
+                   help="training pairs under criteria as a user writes them (docs/DESIGN.md section 4)")
     d.add_argument("--n-test", type=int, default=400, help="records per test file")
     d.add_argument("--n-bench", type=int, default=60, help="benchmark queries")
     d.set_defaults(run=_demo)

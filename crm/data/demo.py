@@ -914,7 +914,7 @@ class DemoConfig:
     n_train: int = 6000  # training pairs
     n_test: int = 400  # records per test file
     n_bench: int = 60  # benchmark queries
-    n_user: int = 0  # training pairs under criteria as a user writes them (`rule_verdict`)
+    n_user: int = 6000  # training pairs under criteria as a user writes them (`rule_verdict`)
 
 
 # What a cache was generated from: a change of settings or of the generator's output regenerates

@@ -295,7 +295,7 @@ def test_prompts_stay_short(out):
 
 
 def test_a_cache_of_other_settings_is_regenerated(tmp_path):
-    settings = demo.DemoConfig(str(tmp_path), n_train=30, n_test=4, n_bench=2)
+    settings = demo.DemoConfig(str(tmp_path), n_train=30, n_test=4, n_bench=2, n_user=0)
     train = tmp_path / "raw" / "train.jsonl"
     demo.prepare_demo(settings)
     written = train.stat().st_mtime_ns

@@ -749,3 +749,11 @@ def test_installed_crm_data_script(mixed):
     assert len(proc.stdout.splitlines()) == len(expect["bad"])
     assert "Traceback" not in proc.stderr
     assert f"{len(expect['good'])} valid, {len(expect['bad'])} rejected" in proc.stderr
+
+
+def test_demo_writes_voted_and_user_pairs(tmp_path, capsys):
+    code, out, _ = run(capsys, "demo", tmp_path, "--n-train", 30, "--n-user", 20, "--n-test", 4,
+                       "--n-bench", 2)
+    assert code == 0 and f"{tmp_path}/train.jsonl: 50 lines" in out
+    shapes = [json.loads(line).get("shape", "decides") for line in open(tmp_path / "train.jsonl")]
+    assert shapes.count("user") == 20
