@@ -18,7 +18,9 @@ from crm.data.manifest import load_manifest, write_manifest
 
 WINNERS = ("model_a", "model_b")
 # A small demo data set (crm-train's data=demo with these overrides): seconds to generate.
-TINY_DEMO = ["data.demo.n_train=200", "data.demo.n_user=100", "data.demo.n_test=20",
+# The demo's voted pairs only: tiny runs learn what the tests check from them in a few steps
+# (tests/data/test_demo_data.py covers the pairs under a user's criteria).
+TINY_DEMO = ["data.demo.n_train=200", "data.demo.n_user=0", "data.demo.n_test=20",
              "data.demo.n_bench=4"]
 # The decoder layer every compile test builds (tests/models/test_compile.py,
 # tests/training/test_compiled_training.py): one shape, so inductor compiles it once per session.

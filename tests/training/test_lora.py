@@ -34,7 +34,8 @@ from crm.models.lora import LoraConfig, base_name, fingerprint, is_adapter, is_t
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 RANK = 4
-RUN = [*TINY_DEMO, "loss=cls", f"lora.rank={RANK}", "micro_batch_size=4", "global_batch_size=8",
+RUN = [*TINY_DEMO, "loss=cls", "transform.ties=drop", f"lora.rank={RANK}", "micro_batch_size=4",
+       "global_batch_size=8",
        "torch_threads=1", "stream.num_workers=0",
        "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
        "early_stopping_patience=0", "optim.lr=3e-3",
