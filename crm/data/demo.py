@@ -888,6 +888,7 @@ def write_demo(out_dir: str | Path, seed: int = 0, n_train: int = 6000, n_test: 
     each test file `n_test` (contradictory.jsonl holds n_test // 2 pairs, each twice);
     bench.jsonl `n_bench` queries answered by every BENCH_MODELS entry and BENCH_BASELINE.
     """
+    check_sizes(n_train=n_train, n_test=n_test, n_bench=n_bench, n_user=n_user)
     out_dir = Path(out_dir)
     files = {
         "train.jsonl": _mixed(_train_records(seed, n_train), _user_records(seed, n_user),
@@ -915,6 +916,17 @@ class DemoConfig:
     n_test: int = 400  # records per test file
     n_bench: int = 60  # benchmark queries
     n_user: int = 6000  # training pairs under criteria as a user writes them (`rule_verdict`)
+
+    def __post_init__(self):
+        check_sizes(n_train=self.n_train, n_test=self.n_test, n_bench=self.n_bench,
+                    n_user=self.n_user, prefix="data.demo.")
+
+
+def check_sizes(prefix: str = "", **sizes: int) -> None:
+    """A negative size would write an empty file as if asked for one."""
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{prefix}{name}={n}: expected a number of records >= 0")
 
 
 # What a cache was generated from: a change of settings or of the generator's output regenerates

@@ -305,3 +305,11 @@ def test_a_cache_of_other_settings_is_regenerated(tmp_path):
     manifest = json.loads((demo.prepare_demo(settings) / "manifest.json").read_text())
     assert sum(1 for _ in open(train)) == 50
     assert manifest["counts"]["written"] == 50
+
+
+def test_a_negative_size_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="n_user=-3: expected a number of records >= 0"):
+        demo.write_demo(tmp_path / "raw", n_user=-3)
+    with pytest.raises(ValueError, match="data.demo.n_train=-1"):
+        demo.DemoConfig(str(tmp_path), n_train=-1)
+    assert not (tmp_path / "raw").exists()
