@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from crm.core.prompts import PromptTemplate
+from crm.models.heads import TIE_PARAMETER
 
 log = logging.getLogger(__name__)
 PREFIX = "crm.model."  # where the LightningModule keeps the HF model's weights
@@ -27,7 +28,7 @@ CARD = "crm_card"
 CARD_VERSION = 1
 SHARDED_META = "meta.pt"  # Lightning writes it last into a sharded checkpoint dir
 LORA = "crm_lora"  # a LoRA run's adapters and base (crm.models.lora.base_record)
-TIE_LOG_NU = "crm.tie_log_nu"  # a Davidson pointwise CRM's tie parameter (crm.models.heads)
+TIE_LOG_NU = "crm." + TIE_PARAMETER  # where the LightningModule keeps a Davidson CRM's tie parameter
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:
@@ -209,9 +210,8 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | 
                  "config": checkpoint.get("crm_config")}
         if checkpoint.get(LORA):
             extra["lora"] = {**checkpoint[LORA], "form": "merged"}
-        extra.update({"ties": crm.ties} if crm.ties else {})
         return export_crm(crm.model, crm.tokenizer, out_dir, kind=crm.kind, template=crm.template,
-                          max_tokens=crm.max_tokens, extra=extra)
+                          max_tokens=crm.max_tokens, extra=extra, ties=crm.ties)
     checkpoint = load_checkpoint(path)
     record = checkpoint.get(LORA)
     if not record:
@@ -230,5 +230,4 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, base: str | Path | 
                       adapters=(model_weights(checkpoint), record),
                       extra={"source": str(path), "global_step": checkpoint["global_step"],
                              "config": checkpoint.get("crm_config"),
-                             "lora": {**record, "form": "adapter"},
-                             **({"ties": ties} if ties else {})})
+                             "lora": {**record, "form": "adapter"}}, ties=ties)

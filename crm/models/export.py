@@ -21,7 +21,8 @@ LABEL_NAMES = {1: ["reward"], 2: ["model_a", "model_b"], 3: ["model_a", "model_b
 
 
 def export_crm(model, tokenizer, out_dir: str | Path, *, kind: str, template: PromptTemplate,
-               max_tokens: int, extra: dict | None = None, adapters: tuple | None = None) -> Path:
+               max_tokens: int, extra: dict | None = None, adapters: tuple | None = None,
+               ties: dict | None = None) -> Path:
     """Write `model` (a Qwen3ForSequenceClassification) to `out_dir`. `adapters`: (weights,
     record) of a LoRA checkpoint, written in peft's adapter form (crm.models.lora.save_adapters)
     in place of the model's weights; `model` may then be a meta-device one (its config is read)."""
@@ -39,7 +40,8 @@ def export_crm(model, tokenizer, out_dir: str | Path, *, kind: str, template: Pr
         save_adapters(model.config, *adapters, out)
     tokenizer.save_pretrained(out)
     meta = {"format_version": FORMAT_VERSION, "kind": kind, "labels": names,
-            "template": asdict(template), "max_tokens": max_tokens, **(extra or {})}
+            "template": asdict(template), "max_tokens": max_tokens, **(extra or {}),
+            **({"ties": ties} if ties else {})}  # a pointwise CRM's tie model (checkpoint.tie_record)
     write_json(out / META, meta)
     return out
 

@@ -89,11 +89,9 @@ class ExportBest(L.Callback):
         if pl_module.lora:  # the adapters merged into the base, as crm-export does
             final = merged_weights(final, pl_module.lora)
             extra["lora"] = {**pl_module.lora, "form": "merged"}
-        if self._ties:
-            extra["ties"] = self._ties
         crm = build_from_card(self.card.card(pl_module), final)
         export_crm(crm.model, crm.tokenizer, self.out_dir, kind=crm.kind, template=crm.template,
-                   max_tokens=crm.max_tokens, extra=extra)
+                   max_tokens=crm.max_tokens, extra=extra, ties=self._ties)
 
 
 def _best_path(trainer: L.Trainer) -> str:
