@@ -353,7 +353,8 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
             return {board_info: info(doc), board: frame, board_chart: chart(doc),
                     download: gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
                     calibration: current, **pair_view(current),
-                    votes_file: gr.update(value=str(write_votes(current.votes, csv_dir)),
+                    votes_file: gr.update(value=str(write_votes(
+                        current.votes, csv_dir, board_state[0], service.selection.fingerprint)),
                                           visible=True),
                     vote_status: (f"{len(current.votes)} votes, {current.answered} pairs "
                                   f"answered; {trust(doc)}. Board recomputed in {seconds:.2f} s.")}
@@ -372,7 +373,8 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
             if current is None or board_state is None:
                 return {vote_status: "Generate a board first, then upload its votes."}
             try:
-                return recalibrate(current.with_votes(service.read_votes(path)), board_state)
+                return recalibrate(current.with_votes(service.read_votes(path, board_state[0])),
+                                   board_state)
             except BoardError as exc:
                 return {vote_status: f"**Cannot use the votes:** {text(str(exc))}"}
 

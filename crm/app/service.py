@@ -271,8 +271,8 @@ class Leaderboards:
         the board was scored: its verdicts are cached."""
         doc = dict(self.board(criteria, choice))
         outcomes = [o for o in self.verdicts(criteria) if o in choice]
-        chosen = {o.idx for o in outcomes}
-        used = {k: v for k, v in votes.items() if k[0] in chosen}
+        judged = {(o.idx, o.model) for o in outcomes}  # votes the estimator can use
+        used = {k: v for k, v in votes.items() if k in judged}
         spec = replace(self.interval, method="ppi")
         doc.update(rows=win_rates(outcomes, self.models, choice.topics, spec, used),
                    interval=interval_doc(spec, "ppi"),
@@ -282,16 +282,16 @@ class Leaderboards:
     def suggestions(self, criteria: tuple[str, ...], choice: Choice, n: int,
                     exclude=frozenset()) -> list[dict]:
         """crm-leaderboard's suggested_votes lines for this board's examples (crm.evaluation.suggest)."""
-        records = tuple(r for r in self.selection.records if r.topic in choice.topics
-                        and (choice.idx is None or r.idx in choice.idx))
-        sub = replace(self.selection, records=records, topics=choice.topics)
-        return suggestion_lines(sub, suggest_pairs(sub, n, self.interval.seed, exclude), criteria)
+        judged = [o for o in self.verdicts(criteria) if o in choice]
+        pairs = suggest_pairs(judged, self.models, n, self.interval.seed, exclude,
+                              tie_value=self.interval.tie_value)
+        return suggestion_lines(self.selection, pairs, criteria)
 
-    def read_votes(self, path: str) -> dict[tuple[str, str], str]:
-        """An uploaded votes file, checked as crm-leaderboard checks it; a defect is a BoardError
-        naming the line and the field."""
+    def read_votes(self, path: str, criteria: tuple[str, ...]) -> dict[tuple[str, str], str]:
+        """An uploaded votes file, checked as crm-leaderboard checks it (given on this benchmark,
+        under these criteria); a defect is a BoardError naming the line and the field."""
         try:
-            votes = read_votes(path, self.selection)
+            votes = read_votes(path, self.selection, criteria)
         except (RecordError, OSError) as exc:
             raise BoardError(f"Votes file: {exc}".replace(str(path), "line")) from None
         return dict(votes.used)

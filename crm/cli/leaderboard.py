@@ -10,7 +10,8 @@ and probabilities per judged pair) into outputs/leaderboard/<name>.
 is an export dir or a crm-train checkpoint (the former `model=DIR` still works, with a deprecation
 message). `votes=FILE` (the user's own verdicts on a few pairs, crm.evaluation.votes) makes the
 criteria board's intervals prediction-powered (interval.method=auto|bootstrap|ppi);
-`suggest_votes=N` writes suggested_votes.jsonl, the next N pairs to vote on (crm.evaluation.suggest).
+`suggest_votes.pairs=N` writes suggested_votes.jsonl, the next N pairs to vote on
+(crm.evaluation.suggest): a line of it with "verdict" added is a vote.
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ from crm.cli.scorer import ScorerSettings, checkpoint_argument, close_scorer, lo
 from crm.core.errors import ConfigError
 from crm.core.files import refuse_replacing, write_json, write_jsonl
 from crm.core.records import RecordError
-from crm.evaluation.leaderboard import Bootstrap, interval_method, leaderboard, select
-from crm.evaluation.suggest import suggest_pairs, suggestion_lines
+from crm.evaluation.leaderboard import (Bootstrap, interval_method, leaderboard, outcome,
+                                        select)
+from crm.evaluation.suggest import STRATEGIES, suggest_pairs, suggestion_lines
 from crm.evaluation.votes import read_votes
 from crm.evaluation.render import markdown, plot
 
@@ -45,6 +47,12 @@ log = logging.getLogger("crm.evaluation.leaderboard")
 class Labels:
     criteria: str = MISSING
     contrast: str = MISSING
+
+
+@dataclass
+class SuggestVotes:
+    pairs: int = MISSING
+    strategy: str = MISSING
 
 
 @dataclass
@@ -66,7 +74,7 @@ class LeaderboardConfig(ScorerSettings):
     slot_sample: int = MISSING
     interval: Bootstrap = field(default_factory=Bootstrap)
     votes: Any = MISSING  # null, or the user's votes file
-    suggest_votes: int = MISSING
+    suggest_votes: SuggestVotes = MISSING
     strict: bool = MISSING
 
 
@@ -101,12 +109,13 @@ def criteria_sets(cfg: LeaderboardConfig) -> tuple[list[str], list[str], tuple[s
     return criteria, contrast, labels
 
 
-def user_votes(cfg: LeaderboardConfig, selection):
-    """The votes file checked line by line against the selection, before any model loads."""
+def user_votes(cfg: LeaderboardConfig, selection, criteria: list[str]):
+    """The votes file checked line by line against the selection and the board's criteria,
+    before any model loads."""
     if cfg.votes is not None and not Path(str(cfg.votes)).is_file():
         raise ConfigError(f"votes={cfg.votes}: no such file")
     try:
-        votes = None if cfg.votes is None else read_votes(str(cfg.votes), selection)
+        votes = None if cfg.votes is None else read_votes(str(cfg.votes), selection, criteria)
         interval_method(cfg.interval, votes)
     except (RecordError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
@@ -134,14 +143,21 @@ def run(composed: DictConfig) -> dict:
         if cfg.strict:
             raise ValueError(f"{cfg.bench}: {len(selection.rejects)} benchmark lines rejected "
                              f"(strict=true); first: {selection.rejects[0]}")
-    votes = user_votes(cfg, selection)
+    votes = user_votes(cfg, selection, criteria)
     if cfg.both_orders not in (True, False, "auto"):
         raise ConfigError(f"both_orders={cfg.both_orders}: true, false or auto")
     if cfg.slot_sample < 0 or (cfg.both_orders == "auto" and not cfg.slot_sample):
         raise ConfigError(f"slot_sample={cfg.slot_sample}: pairs judged in both orders to measure "
                           "slot bias (>= 0; both_orders=auto needs at least 1)")
-    if cfg.suggest_votes < 0:
-        raise ConfigError(f"suggest_votes={cfg.suggest_votes}: a number of pairs, 0 for none")
+    if cfg.suggest_votes.pairs < 0:
+        raise ConfigError(f"suggest_votes.pairs={cfg.suggest_votes.pairs}: a number of pairs, 0 "
+                          "for none")
+    if cfg.suggest_votes.strategy not in STRATEGIES:
+        raise ConfigError(f"suggest_votes.strategy={cfg.suggest_votes.strategy}: one of "
+                          f"{', '.join(STRATEGIES)}")
+    if cfg.suggest_votes.strategy == "active" and votes is not None:
+        raise ConfigError("suggest_votes.strategy=active draws the whole batch at once: with "
+                          "votes= given, continue with suggest_votes.strategy=uniform")
     # One checkpoint's board is not replaced by another's (crm-eval refuses its case the same way).
     refuse_replacing(run_dir / "leaderboard.json", board_inputs(str(cfg.checkpoint), cfg.bench),
                      lambda before: board_inputs(before.get("model"), before.get("bench")),
@@ -164,14 +180,17 @@ def run(composed: DictConfig) -> dict:
                     "their start and end: leaderboard.json's sequences.shortened)",
                     result["sequences"]["shortened"], scorer.encoder.max_tokens)
     write_judgments(run_dir / "judgments.jsonl", judgments, cfg.name)
-    if cfg.suggest_votes:
-        pairs = suggest_pairs(selection, cfg.suggest_votes, cfg.interval.seed,
-                              exclude=set(votes.used) if votes else set())
+    if cfg.suggest_votes.pairs:
+        judged = [outcome(j) for j in judgments if j["board"] == labels[0]]
+        pairs = suggest_pairs(judged, selection.models, cfg.suggest_votes.pairs,
+                              cfg.interval.seed, set(votes.used) if votes else set(),
+                              cfg.suggest_votes.strategy, cfg.interval.tie_value)
         path = run_dir / "suggested_votes.jsonl"
         path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n"
                                 for line in suggestion_lines(selection, pairs, criteria)),
                         encoding="utf-8")
-        result["suggested_votes"] = {"file": str(path), "pairs": len(pairs)}
+        result["suggested_votes"] = {"file": str(path), "pairs": len(pairs),
+                                     "strategy": cfg.suggest_votes.strategy}
     write_json(run_dir / "leaderboard.json", result)
     (run_dir / "leaderboard.md").write_text(markdown(result), encoding="utf-8")
     plot(result, run_dir / "leaderboard.png")

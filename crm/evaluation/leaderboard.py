@@ -32,7 +32,8 @@ import numpy as np
 from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, PairExample, verdict
 from crm.core.records import BenchRecord, RecordError, read_lines
-from crm.evaluation.ppi import MIN_VOTES, CellData, Estimate, ppi_group, rank_sets
+from crm.evaluation.ppi import (MIN_VOTES, CellData, Estimate, ppi_pooled, ppi_separate,
+                                rank_sets)
 from crm.evaluation.slot_bias import measure_slot_bias
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,24 @@ class Selection:
     outside_topics: int = 0  # lines of topics not selected
     outside_idx: tuple[str, ...] = ()  # their idx (a vote on one is counted, not used)
     rejected_idx: tuple[str, ...] = ()  # the idx of parsed lines rejected for a missing response
+    fingerprint: str = ""  # of the file's bytes (`bench_fingerprint`): what a vote names
 
     @property
     def counts(self) -> dict:
         used, rejected = len(self.records), len(self.rejects)
         return {"read": used + rejected + self.outside_topics, "used": used, "rejected": rejected,
                 "outside_topics": self.outside_topics}
+
+
+def bench_fingerprint(path: str | Path) -> str:
+    """A benchmark file's identity wherever it lies: the start of its bytes' SHA-256."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()[:16]
 
 
 def select(path: str | Path, baseline: str, topics: Sequence[str] | None = None,
@@ -127,7 +140,7 @@ def select(path: str | Path, baseline: str, topics: Sequence[str] | None = None,
         raise ValueError(f"{path}: no usable line for baseline {baseline!r} in topics "
                          f"{list(topics)} ({len(rejects)} rejected)")
     return Selection(path, baseline, models, tuple(topics), tuple(records), tuple(rejects),
-                     len(outside), tuple(outside), tuple(rejected_idx))
+                     len(outside), tuple(outside), tuple(rejected_idx), bench_fingerprint(path))
 
 
 # -- judging --------------------------------------------------------------------------------------
@@ -204,8 +217,10 @@ INTERVAL_METHODS = ("auto", "bootstrap", "ppi")
 # own error, only of which queries the benchmark happened to hold.
 CRM_IS_USER = ("intervals assume the CRM's verdict is the user's: they carry none of the CRM's "
                "error (give votes=FILE for intervals that do)")
-PPI_ASSUMES = ("votes drawn at random from the ranked pairs; the CRM's error exchangeable across "
-               "the board's models, so intervals hold on average over them")
+PPI_ASSUMES = ("votes a random sample of each model's pairs (uniform, or drawn with the inclusion "
+               "probabilities they carry): each model's Overall interval holds at its level for "
+               "that model and the rank sets for all models together; topic cells pool the CRM's "
+               "error across the board's cells and hold on average over them")
 
 
 @dataclass(frozen=True)
@@ -217,12 +232,19 @@ class Bootstrap:
     the user's votes (crm.evaluation.ppi); `auto`, ppi when votes are given, else bootstrap.
     Percentile rather than BCa: BCa is undefined for a cell whose outcomes are all equal (every
     example won), common on small topics. Arena-Hard and LMArena use percentile intervals too.
+    `tie_value`: what a tie is worth in a win rate, the CRM's verdicts and the user's votes alike
+    (0: not a win; 0.5: half a win, as LMArena's ratings count it).
     """
 
     level: float = 0.95
     resamples: int = 1000
     seed: int = 0
     method: str = "auto"
+    tie_value: float = 0.0
+
+    def value(self, result: str) -> float:
+        """A verdict's worth in a win rate."""
+        return 1.0 if result == WIN else self.tie_value if result == TIE else 0.0
 
 
 def interval_doc(spec: Bootstrap, method: str) -> dict:
@@ -235,6 +257,9 @@ def interval_method(spec: Bootstrap, votes) -> str:
     """The method `spec` asks for, given whether votes were given (None: not given)."""
     if spec.method not in INTERVAL_METHODS:
         raise ValueError(f"interval.method={spec.method!r}: one of {', '.join(INTERVAL_METHODS)}")
+    if not 0.0 <= spec.tie_value <= 1.0:
+        raise ValueError(f"interval.tie_value={spec.tie_value}: what a tie is worth, between 0 "
+                         "(not a win) and 1 (0.5: half a win)")
     if spec.method == "auto":
         return "bootstrap" if votes is None else "ppi"
     if spec.method == "ppi" and votes is None:
@@ -244,7 +269,7 @@ def interval_method(spec: Bootstrap, votes) -> str:
 
 def bootstrap_intervals(samples: Sequence[Sequence[float]], spec: Bootstrap = Bootstrap()
                         ) -> list[tuple[float, float] | None]:
-    """(low, high) of the mean of each sample (1 per win, 0 per tie or loss), None below 2 values.
+    """(low, high) of the mean of each sample (each verdict's worth), None below 2 values.
 
     Samples of one length go through one vectorised scipy call, and so through the same resampled
     queries: a board's models, judged on the same examples, are resampled together.
@@ -266,12 +291,12 @@ def bootstrap_intervals(samples: Sequence[Sequence[float]], spec: Bootstrap = Bo
     return out
 
 
-def _cell(results: list[Outcome]) -> dict:
+def _cell(results: list[Outcome], tie_value: float = 0.0) -> dict:
     n = len(results)
     wins = sum(o.result == WIN for o in results)
     ties = sum(o.result == TIE for o in results)
     return {"n": n, "wins": wins, "ties": ties, "losses": n - wins - ties,
-            "win_rate": round(wins / n, 4) if n else None,
+            "win_rate": round((wins + tie_value * ties) / n, 4) if n else None,
             "ci_low": None, "ci_high": None,
             "tie_rate": round(ties / n, 4) if n else None,
             "mean_p_win": round(sum(o.p_win for o in results) / n, 4) if n else None}
@@ -292,16 +317,18 @@ def rank_upper_bounds(rows: list[dict]) -> list[int]:
 
 def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequence[str],
               interval: Bootstrap = Bootstrap(),
-              votes: Mapping[tuple[str, str], str] | None = None) -> list[dict]:
+              votes: Mapping[tuple[str, str], str] | None = None,
+              weights: Mapping[tuple[str, str], float] | None = None) -> list[dict]:
     """Rows {rank, rank_ub, rank_set, model, overall, topics: {topic: cell}}, best first.
 
-    Overall is micro-averaged: all of a model's wins over all its examples (a topic with more
-    examples weighs more). Ranked by overall win rate, equal rates sharing a rank (listed by mean
-    P(win), then name). Each cell has
-    its interval (ci_low, ci_high) by `interval.method` and the votes it used; with votes
-    ((idx, model) -> verdict, the user's), a cell's win_rate is PPI's estimate and crm_win_rate
-    the CRM's. rank_ub is the rank upper bound, rank_set [best, worst] the ranks the model can
-    hold given simultaneous intervals.
+    Overall is micro-averaged: all of a model's wins (a tie worth `interval.tie_value`) over all
+    its examples (a topic with more examples weighs more). Ranked by overall win rate, equal
+    rates sharing a rank (listed by mean P(win), then name). Each cell has its interval (ci_low,
+    ci_high) by `interval.method` and the votes it used; with votes ((idx, model) -> verdict, the
+    user's; `weights`, each vote's inverse inclusion probability when they were not drawn
+    uniformly), a cell's win_rate is PPI's estimate and crm_win_rate the CRM's. rank_ub is the
+    rank upper bound, rank_set [best, worst] the ranks the model can hold given simultaneous
+    intervals.
     """
     method = interval_method(interval, votes)
     by_model = defaultdict(list)
@@ -311,8 +338,8 @@ def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequen
     for model in models:
         results = by_model[model]
         per_topic = {t: [o for o in results if o.topic == t] for t in topics}
-        row = {"model": model, "overall": _cell(results),
-               "topics": {t: _cell(per_topic[t]) for t in topics}}
+        row = {"model": model, "overall": _cell(results, interval.tie_value),
+               "topics": {t: _cell(per_topic[t], interval.tie_value) for t in topics}}
         rows.append(row)
         for cell, part in [(row["overall"], results),
                            *((row["topics"][t], per_topic[t]) for t in topics)]:
@@ -322,7 +349,7 @@ def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequen
     if method == "bootstrap":
         simultaneous = _bootstrap(cells, parts, interval, overall)
     else:
-        simultaneous = _ppi(cells, parts, interval, votes, overall)
+        simultaneous = _ppi(cells, parts, interval, votes, weights or {}, overall)
     sets = rank_sets([span or (0.0, 1.0) for span in simultaneous])
     for row, best_worst in zip(rows, sets):
         row["rank_set"] = list(best_worst)
@@ -342,7 +369,7 @@ def _simultaneous_level(level: float, models: int) -> float:
 
 
 def _bootstrap(cells, parts, interval: Bootstrap, overall) -> list:
-    samples = [[o.result == WIN for o in part] for part in parts]
+    samples = [[interval.value(o.result) for o in part] for part in parts]
     for cell, span in zip(cells, bootstrap_intervals(samples, interval)):
         cell["votes"] = 0
         if span:
@@ -352,30 +379,37 @@ def _bootstrap(cells, parts, interval: Bootstrap, overall) -> list:
     return bootstrap_intervals([samples[i] for i in index], wide)
 
 
-def _ppi(cells, parts, interval: Bootstrap, votes, overall) -> list:
-    """Each cell's win rate and interval by PPI (crm.evaluation.ppi): the Overall cells pool
-    their votes as one group, the (model, topic) cells as another."""
+def _ppi(cells, parts, interval: Bootstrap, votes, weights, overall) -> list:
+    """Each cell's win rate and interval by PPI (crm.evaluation.ppi): the Overall cells each
+    valid for its model (`ppi_separate`), the (model, topic) cells pooled (`ppi_pooled`)."""
+    def predicted(o: Outcome) -> float:
+        return o.p_win + interval.tie_value * o.p_tie
+
     data = []
     for part in parts:
         voted = [o for o in part if (o.idx, o.model) in votes]
-        data.append(CellData([o.p_win for o in part], [o.p_win for o in voted],
-                             [votes[o.idx, o.model] == WIN for o in voted]))
+        data.append(CellData([predicted(o) for o in part], [predicted(o) for o in voted],
+                             [interval.value(votes[o.idx, o.model]) for o in voted],
+                             [weights.get((o.idx, o.model), 1.0) for o in voted]))
     is_overall = {id(c) for c in overall}
     groups = [[i for i, c in enumerate(cells) if id(c) in is_overall],
               [i for i, c in enumerate(cells) if id(c) not in is_overall]]
     estimates: dict[int, Estimate | None] = {}
     group_votes: dict[int, int] = {}
-    for group in groups:
-        estimates.update(zip(group, ppi_group([data[i] for i in group])))
+    for group, estimator in zip(groups, (ppi_separate, ppi_pooled)):
+        estimates.update(zip(group, estimator([data[i] for i in group])))
         group_votes.update(dict.fromkeys(group, sum(len(data[i].votes) for i in group)))
     for i, cell in enumerate(cells):
         cell["votes"] = len(data[i].votes)
         cell["crm_win_rate"] = cell["win_rate"]
         estimate = estimates[i]
         if estimate is None:
-            if cell["n"]:
+            if cell["n"] and group_votes[i] < MIN_VOTES:
                 cell["interval_note"] = (f"no interval: {group_votes[i]} votes where PPI needs "
                                          f"{MIN_VOTES} (the CRM's win rate shown)")
+            elif cell["n"]:
+                cell["interval_note"] = ("no interval: no vote on this model, and its interval "
+                                         "borrows none (the CRM's win rate shown)")
             continue
         low, high = estimate.interval(interval.level)
         cell["win_rate"] = round(estimate.win_rate, 4)
@@ -429,7 +463,8 @@ class Board:
 
 def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "criteria",
          both_orders: bool | str = False, interval: Bootstrap = Bootstrap(),
-         votes: Mapping[tuple[str, str], str] | None = None, slot_sample: int = 0) -> Board:
+         votes: Mapping[tuple[str, str], str] | None = None, slot_sample: int = 0,
+         weights: Mapping[tuple[str, str], float] | None = None) -> Board:
     """One board. `slot_sample` > 0 first judges that many of its pairs in both orders
     (crm.evaluation.slot_bias); `both_orders="auto"` then judges every pair in both orders when
     the verdicts follow the slot."""
@@ -454,7 +489,8 @@ def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "cr
                     "responses: those queries are left out for every model (first: %s)", label,
                     len(unfit), len(queries), scorer.encoder.max_tokens, ", ".join(unfit[:5]))
     return Board(label, tuple(criteria),
-                 win_rates(outcomes, selection.models, selection.topics, interval, votes),
+                 win_rates(outcomes, selection.models, selection.topics, interval, votes,
+                           weights),
                  interval_method(interval, votes), both_orders, bias, unscorable,
                  len(selection.records) - (unscorable["queries"] if unscorable else 0), outcomes)
 
@@ -463,6 +499,12 @@ def judgment(board: str, o: Outcome) -> dict:
     """A line of judgments.jsonl: the verdict the board `board` counted for one pair."""
     return {"board": board, "idx": o.idx, "topic": o.topic, "model": o.model, "verdict": o.result,
             "p_win": round(o.p_win, 6), "p_tie": round(o.p_tie, 6), "p_loss": round(o.p_loss, 6)}
+
+
+def outcome(line: dict) -> Outcome:
+    """A line of judgments.jsonl back as the Outcome it was written from (`judgment`)."""
+    return Outcome(line["model"], line["topic"], line["verdict"], line["p_win"], line["idx"],
+                   line["p_tie"])
 
 
 def examples_counts(selection: Selection, boards: Sequence[Board]) -> dict:
@@ -495,7 +537,9 @@ def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
                          "default criteria")
     used = None if votes is None else votes.used
     boards = [rank(scorer, selection, criteria, labels[0], both_orders, interval, used,
-                   slot_sample)]
+                   slot_sample, None if votes is None else votes.weights)]
+    if votes is not None:  # `used`: the votes that reached the estimator
+        votes = votes.scored({(o.idx, o.model) for o in boards[0].outcomes})
     if contrast:
         boards.append(rank(scorer, selection, contrast, labels[1], both_orders,
                            replace(interval, method="bootstrap"), slot_sample=slot_sample))

@@ -2,40 +2,40 @@
 CRM's verdicts on every pair and the user's votes on a few (docs/DESIGN.md section 8.3,
 docs/EVALUATION.md section 7).
 
-Pure numpy and scipy's normal quantile. ppi-python (the PPI authors' package) is not used: it
-imports numba, statsmodels and scikit-learn for what is, for a mean, a few lines, and it has no
-estimator that pools the CRM's error across a board's models, which 30-100 votes over several
-models need (a model gets a handful of votes).
+Pure numpy and scipy's quantiles. ppi-python (the PPI authors' package) is not used: it imports
+numba, statsmodels and scikit-learn for what is, for a mean, a few lines, and it has neither the
+votes' inclusion weights nor the pooling across cells used here.
 
-One group is the cells that pool their evidence: a board's Overall cells (one per model), or its
+A group is the cells one board estimates together: its Overall cells (one per model), or its
 (model, topic) cells. For each cell c: f = the CRM's prediction on each of its N_c pairs (the
-leaderboard passes its P(win)), and on its n_c voted pairs the user's win indicator Y with the
-CRM's f beside it.
+leaderboard passes P(win) + tie_value P(tie)), and on its n_c voted pairs the user's outcome Y
+(1 a win, tie_value a tie, 0 a loss) with the CRM's f beside it and the vote's weight w (its
+inverse inclusion probability, crm.evaluation.suggest; 1 for a uniform sample).
 
-- The estimand is the cell's win rate as the user would judge all its N_c pairs: the board's
-  question, which model this user prefers on these queries. The CRM has judged every one of them,
-  so mean(f) over the cell is known, not sampled: PPI++'s unlabeled term (lambda^2 var(f) / N) is
-  zero, and its power tuning becomes lambda = cov(Y, f) / var(f) (the regression, or difference,
-  estimator of survey sampling), one per group, over its votes and pairs, clipped to [0, 1]: 0
-  ignores the CRM (votes only), 1 is plain PPI.
-- Each cell's rectifier d_c = mean(Y - lambda f) over its votes. The rectifiers are pooled by
-  empirical Bayes (Morris 1983): the within-cell variance s^2 of Y - lambda f pooled, their spread
-  across cells tau^2 taken at its upper 95% confidence bound (the Q-profile, Viechtbauer 2007:
-  the tau^2 at which the generalized Q statistic falls to its chi-square 5% quantile), and each
-  cell's rectifier shrunk toward the group's precision-weighted mean by B_c = (s^2 / n_c) /
-  (s^2 / n_c + tau^2). A CRM whose error is the same on every model lends every cell most of the
-  group's votes; one whose error differs by model leaves each cell its own. The upper bound, not
-  the point estimate: with eight models of about six votes each, a point estimate of tau^2 is
-  often 0, and pooling on it undercovered (0.83 of cells in tests/evaluation/test_ppi.py's
-  simulation; 0.93-0.95 with the bound).
-- Estimate: lambda mean(f over the cell's pairs) + the shrunk rectifier. Variance: the
-  rectifier's, (1 - B_c) s^2 / n_c + B_c^2 / sum_c w_c with w_c = 1 / (s^2 / n_c + tau^2)
-  (tau^2 + 1 / sum_c w_c for a cell without votes); no finite-population correction (it would
-  narrow it by sqrt(1 - n_c / N_c)). Interval: estimate +- z sd, clipped to [0, 1].
+- The estimand is the cell's win rate as the user would judge all its N_c pairs. The CRM has
+  judged every one of them, so mean(f) over the cell is known, not sampled: PPI++'s power tuning
+  becomes lambda = cov(Y, f) / var(f) (the regression, or difference, estimator of survey
+  sampling), one per group, clipped to [0, 1]: 0 ignores the CRM (votes only), 1 is plain PPI.
+- Each cell's rectifier d_c is the weighted (Hajek) mean of Y - lambda f over its votes, and the
+  estimate lambda mean(f over the cell's pairs) + d_c.
+- `ppi_separate` (Overall cells): each cell's variance is its own residuals' or the group's
+  pooled within-cell variance, whichever is larger, over its effective votes (sum w)^2 / sum w^2;
+  the interval takes Student's t at the pooled degrees of freedom. No cell borrows another's
+  rectifier, so a model's interval holds at its level for that model, whatever the CRM's error
+  on the others; Bonferroni over the M models (level 1 - alpha / M) makes the rank sets hold
+  together (tests/evaluation/test_ppi.py: the Monte Carlo). Pooling the variance alone only
+  floors a cell whose few votes happen to agree with the CRM.
+- `ppi_pooled` (topic cells, mostly 0-2 votes each): the rectifiers are pooled by empirical Bayes
+  (Morris 1983), their spread across cells tau^2 taken at its upper 95% confidence bound (the
+  Q-profile, Viechtbauer 2007) and each shrunk toward the group's precision-weighted mean by
+  B_c = (s^2 / n_c) / (s^2 / n_c + tau^2); variance (1 - B_c) s^2 / n_c + B_c^2 / sum_c w_c, w_c
+  = 1 / (s^2 / n_c + tau^2) (tau^2 + 1 / sum_c w_c for a cell without votes). These intervals
+  hold on average over a board's cells (the empirical-Bayes guarantee), not cell by cell: a cell
+  of a handful of votes has no per-cell interval worth reading.
+- No finite-population correction (it would narrow an interval by sqrt(1 - n_c / N_c)).
 
-Assumption: the votes are a uniform random sample of the group's pairs, and the cells' errors
-are exchangeable, so the intervals hold at their level on average over a board's cells (the
-empirical-Bayes guarantee), not cell by cell.
+Assumption: within each model, the votes are a random sample of its pairs: uniform, or drawn
+with the inclusion probabilities their weights invert.
 """
 from __future__ import annotations
 
@@ -44,35 +44,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Below this many votes in a group, s^2 and tau^2 rest on too few residuals for a normal interval
-# (a handful of binary residuals often has variance 0): the cells report no interval.
+# Below this many votes in a group, the variances rest on too few residuals for an interval (a
+# handful of binary residuals often has variance 0): the cells report no interval.
 MIN_VOTES = 20
 # The confidence level of tau^2's upper bound. At 0.5 (tau^2's median-unbiased estimate) the demo
-# study pooled more and covered 0.83-0.86 (docs/EVALUATION.md section 7): the bound is what keeps
-# the intervals at their level. benchmarks/usl_coverage.py --spread-level sets it for that study.
+# study pooled more and undercovered (docs/EVALUATION.md section 7): the bound is what keeps the
+# pooled intervals at their level. benchmarks/usl_coverage.py --spread-level sets it for that study.
 SPREAD_LEVEL = 0.95
 
 
 @dataclass(frozen=True)
 class CellData:
-    """One cell's inputs: the CRM's prediction (P(win), or its 0/1 verdict) on all its pairs and
-    on its voted pairs, and the user's win indicator on the voted pairs (same order)."""
+    """One cell's inputs: the CRM's prediction on all its pairs and on its voted pairs, the user's
+    outcome on the voted pairs (same order) and each vote's weight (() : all equal)."""
 
     predictions: Sequence[float]
     voted_predictions: Sequence[float] = ()
     votes: Sequence[float] = ()
+    weights: Sequence[float] = ()
 
 
 @dataclass(frozen=True)
 class Estimate:
     win_rate: float
-    sd: float  # the estimate's standard deviation: an interval at any level is win_rate +- z sd
+    sd: float  # the estimate's standard deviation
     votes: int
+    df: float | None = None  # Student t's degrees of freedom for the interval; None: normal
 
     def interval(self, level: float) -> tuple[float, float]:
-        from scipy.stats import norm
+        from scipy.stats import norm, t
 
-        half = float(norm.ppf(0.5 + level / 2)) * self.sd
+        tail = 0.5 + level / 2
+        quantile = norm.ppf(tail) if self.df is None else t.ppf(tail, self.df)
+        half = float(quantile) * self.sd
         return max(0.0, self.win_rate - half), min(1.0, self.win_rate + half)
 
 
@@ -86,48 +90,99 @@ def power_tuning(votes: np.ndarray, voted: np.ndarray, predictions: np.ndarray) 
     return float(np.clip(cov / var_f, 0.0, 1.0))
 
 
-def ppi_group(cells: Sequence[CellData], min_votes: int = MIN_VOTES,
-              spread: float | None = None) -> list[Estimate | None]:
-    """One Estimate per cell, pooled as the module says; None for every cell when the group holds
-    fewer than `min_votes` votes, and for a cell without pairs. `spread`: a known tau^2 instead of
-    its upper bound from the votes, for studies only (benchmarks/usl_coverage.py's oracle: how
-    narrow the intervals could be if the CRM's true spread of error across cells were known)."""
-    preds = [np.asarray(c.predictions, dtype=float) for c in cells]
-    voted = [np.asarray(c.voted_predictions, dtype=float) for c in cells]
+@dataclass(frozen=True)
+class _Residuals:
+    """A group's tuned residuals: lambda, each voted cell's Hajek rectifier and effective votes,
+    and the within-cell variance pooled over the group."""
+
+    lam: float
+    rect: dict[int, float]  # cell -> weighted mean of Y - lambda f over its votes
+    own: dict[int, float | None]  # cell -> its residuals' variance (None below 2 votes)
+    effective: dict[int, float]  # cell -> (sum w)^2 / sum w^2: its votes' worth
+    pooled: float  # s^2 pooled within cells
+    df: int  # s^2's degrees of freedom
+    votes: int
+
+
+def _residuals(cells: Sequence[CellData]) -> _Residuals:
     ys = [np.asarray(c.votes, dtype=float) for c in cells]
+    fs = [np.asarray(c.voted_predictions, dtype=float) for c in cells]
+    ws = [np.asarray(c.weights, dtype=float) if len(c.weights) else np.ones(len(y))
+          for c, y in zip(cells, ys)]
     n = sum(len(y) for y in ys)
-    if n < max(min_votes, 2):
-        return [None] * len(cells)
-    lam = power_tuning(np.concatenate(ys), np.concatenate(voted), np.concatenate(preds))
-    residuals = [y - lam * f for y, f in zip(ys, voted)]
-    with_votes = [i for i, r in enumerate(residuals) if len(r)]
-    rect = {i: float(residuals[i].mean()) for i in with_votes}
-    counts = {i: len(residuals[i]) for i in with_votes}
-    within_df = n - len(with_votes)
-    if within_df >= 10:  # enough repeated votes within cells to separate noise from spread
-        s2 = sum(float(((residuals[i] - rect[i]) ** 2).sum()) for i in with_votes) / within_df
+    lam = power_tuning(np.concatenate(ys), np.concatenate(fs),
+                       np.concatenate([np.asarray(c.predictions, dtype=float) for c in cells]))
+    rect, own, effective, squares = {}, {}, {}, {}
+    for i, (y, f, w) in enumerate(zip(ys, fs, ws)):
+        if not len(y):
+            continue
+        r = y - lam * f
+        rect[i] = float((w * r).sum() / w.sum())
+        effective[i] = float(w.sum() ** 2 / (w ** 2).sum())
+        # Weighted so that equal weights give the plain sample variance: sum w^2 (r - d)^2 /
+        # sum w^2, times n / (n - 1)
+        squares[i] = float((w ** 2 * (r - rect[i]) ** 2).sum() / (w ** 2).sum()) * len(r)
+        own[i] = squares[i] / (len(r) - 1) if len(r) > 1 else None
+    df = n - len(rect)
+    if df >= 10:  # enough repeated votes within cells to separate noise from spread
+        pooled = sum(squares.values()) / df
     else:  # around the pooled mean: includes the cells' spread, so it errs wide
-        s2 = float(np.var(np.concatenate(residuals), ddof=1))
-    s2 = max(s2, 1.0 / n)  # all residuals equal: variance 0 would claim certainty from n votes
-    tau2 = _spread_upper_bound(rect, counts, s2) if spread is None else spread
-    weights = {i: 1.0 / (s2 / counts[i] + tau2) for i in with_votes}
-    total = sum(weights.values())
-    pooled = sum(weights[i] * rect[i] for i in with_votes) / total
+        everything = np.concatenate([y - lam * f for y, f in zip(ys, fs)])
+        pooled, df = float(np.var(everything, ddof=1)), n - 1
+    pooled = max(pooled, 1.0 / n)  # all residuals equal: variance 0 would claim certainty
+    return _Residuals(lam, rect, own, effective, pooled, df, n)
+
+
+def ppi_separate(cells: Sequence[CellData], min_votes: int = MIN_VOTES
+                 ) -> list[Estimate | None]:
+    """One Estimate per cell, each valid for its own cell (the module's `ppi_separate`); None for
+    every cell below `min_votes` votes in the group, and for a cell without pairs or votes."""
+    if sum(len(c.votes) for c in cells) < max(min_votes, 2):
+        return [None] * len(cells)
+    res = _residuals(cells)
     out: list[Estimate | None] = []
-    for i, f in enumerate(preds):
-        if not len(f):  # a cell without pairs (a topic this selection lacks) has no rate
+    for i, cell in enumerate(cells):
+        if i not in res.rect or not len(cell.predictions):
             out.append(None)
             continue
-        if i in rect:
+        variance = max(res.own[i] or 0.0, res.pooled) / res.effective[i]
+        estimate = res.lam * float(np.mean(cell.predictions)) + res.rect[i]
+        out.append(Estimate(float(np.clip(estimate, 0.0, 1.0)), float(np.sqrt(variance)),
+                            len(cell.votes), float(res.df)))
+    return out
+
+
+def ppi_pooled(cells: Sequence[CellData], min_votes: int = MIN_VOTES,
+               spread: float | None = None) -> list[Estimate | None]:
+    """One Estimate per cell, pooled by empirical Bayes as the module says; None for every cell
+    when the group holds fewer than `min_votes` votes, and for a cell without pairs. `spread`: a
+    known tau^2 instead of its upper bound from the votes, for studies only
+    (benchmarks/usl_coverage.py's oracle: how narrow the intervals could be if the CRM's true
+    spread of error across cells were known)."""
+    if sum(len(c.votes) for c in cells) < max(min_votes, 2):
+        return [None] * len(cells)
+    res = _residuals(cells)
+    s2 = res.pooled
+    counts = res.effective
+    tau2 = _spread_upper_bound(res.rect, counts, s2) if spread is None else spread
+    weights = {i: 1.0 / (s2 / counts[i] + tau2) for i in res.rect}
+    total = sum(weights.values())
+    pooled = sum(weights[i] * res.rect[i] for i in res.rect) / total
+    out: list[Estimate | None] = []
+    for i, cell in enumerate(cells):
+        if not len(cell.predictions):  # a cell without pairs (a topic this selection lacks)
+            out.append(None)
+            continue
+        if i in res.rect:
             noise = s2 / counts[i]
             shrink = noise / (noise + tau2)
-            rectifier = shrink * pooled + (1 - shrink) * rect[i]
+            rectifier = shrink * pooled + (1 - shrink) * res.rect[i]
             rect_var = (1 - shrink) * noise + shrink ** 2 / total
         else:
             rectifier, rect_var = pooled, tau2 + 1.0 / total
-        estimate = lam * float(f.mean()) + rectifier
-        out.append(Estimate(float(np.clip(estimate, 0.0, 1.0)),
-                            float(np.sqrt(rect_var)), len(ys[i])))
+        estimate = res.lam * float(np.mean(cell.predictions)) + rectifier
+        out.append(Estimate(float(np.clip(estimate, 0.0, 1.0)), float(np.sqrt(rect_var)),
+                            len(cell.votes)))
     return out
 
 

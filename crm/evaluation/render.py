@@ -72,6 +72,13 @@ def slot_note(board: dict) -> str:
                else "its win rates are not to be trusted (both_orders=true averages them out)"))
 
 
+def tie_words(tie_value: float) -> str:
+    """How the board counts a tie, in words (interval.tie_value)."""
+    if tie_value == 0:
+        return "a tie counting as no win"
+    return "a tie counting as half a win" if tie_value == 0.5 else f"a tie worth {tie_value:g} win"
+
+
 def rate_with_interval(cell: dict) -> str:
     return f"{_pct(cell['win_rate'])} {interval(cell)}".rstrip()
 
@@ -88,13 +95,14 @@ def markdown(result: dict) -> str:
     topics = result["topics"]
     counts = result["examples"]
     level = result.get("interval", {}).get("level", 0.95)
+    tie_value = result.get("interval", {}).get("tie_value", 0.0)
     shortened = result.get("sequences", {}).get("shortened", 0)
     lines = [f"Baseline: `{result['baseline']}` · {counts['used']} examples used "
              f"({left_out_words(counts)}{counts['rejected']} rejected, {counts['outside_topics']} "
              f"outside the selected topics, {counts['read']} read)"
              + (f" · {shortened} prompt(s) had responses shortened to fit the CRM's tokens "
                 "(judged on their start and end)" if shortened else "")
-             + " · win rate (%) against the baseline with its "
+             + f" · win rate (%) against the baseline, {tie_words(tie_value)}, with its "
              f"{100 * level:.0f}% interval (-x / +y); Overall is micro-averaged over "
              f"the examples; Rank (UB): 1 + the models whose interval lies wholly above; Rank set: "
              f"the ranks a model can hold at {100 * level:.0f}% (simultaneous intervals)"
@@ -103,7 +111,10 @@ def markdown(result: dict) -> str:
         v = result["votes"]
         lines.append(f"Votes: {v['used']} used of {v['read']} read from {v['file']} "
                      f"({v['outside_topics']} outside the selected topics, "
-                     f"{v['on_rejected_lines']} on rejected benchmark lines)")
+                     f"{v['on_rejected_lines']} on rejected benchmark lines"
+                     + (f", {v['unscorable']} on pairs the CRM could not score"
+                        if v.get("unscorable") else "")
+                     + (f"; {v['weighted']}" if v.get("weighted") else "") + ")")
     for board in result["boards"]:
         with_ties = any(r["overall"]["ties"] for r in board["rows"])
         lines += ["", f"### {board['label']}: " + " / ".join(f'"{c}"' for c in board["criteria"]),

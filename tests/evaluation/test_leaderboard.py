@@ -16,9 +16,9 @@ from scorers import export_tiny, run_cli, tiny_scorer
 
 from crm.cli.leaderboard import run
 from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE, WIN, Bootstrap,
-                                       Outcome,
-                             bootstrap_intervals, judge, kendall_tau, leaderboard,
-                             rank_upper_bounds, select, win_rates)
+                                       Outcome, bench_fingerprint, bootstrap_intervals, judge,
+                                       kendall_tau, leaderboard, rank_upper_bounds, select,
+                                       win_rates)
 from crm.evaluation.render import interval, markdown, plot, slope_positions
 from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_B
@@ -258,7 +258,7 @@ def test_markdown_and_png_with_a_contrast_set(tmp_path):
     assert (f"| 2 | 1 | 1-3 | m1 | **50.0** | {interval(m1)} | 100.0 (-0.0 / +0.0) | "
             f"0.0 (-0.0 / +0.0) |") in text
     assert result["interval"] == {"level": 0.95, "resamples": 1000, "seed": 0,
-                                  "method": "bootstrap", "min_votes": 20,
+                                  "method": "bootstrap", "min_votes": 20, "tie_value": 0.0,
                                   "assumes": CRM_IS_USER}
     # without votes every output says whom the intervals trust
     assert text.count(CRM_IS_USER) == 2  # one line per board
@@ -455,16 +455,18 @@ def test_crm_leaderboard_writes_json_md_png(tmp_path):
     bench = demo_like_bench(tmp_path)
     run_dir = tmp_path / "run"
     votes = tmp_path / "votes.jsonl"  # q1 is a t2 query, q0 a t1 one (outside the topics)
-    votes.write_text('{"idx": "1", "model": "m1", "verdict": "tie"}\n'
-                     '{"idx": "0", "model": "m2", "verdict": "win"}\n')
+    board = {"criteria": ["concise answer, please", "is friendly"],
+             "bench": bench_fingerprint(bench)}
+    votes.write_text(json.dumps({"idx": "1", "model": "m1", "verdict": "tie", **board}) + "\n"
+                     + json.dumps({"idx": "0", "model": "m2", "verdict": "win", **board}) + "\n")
     result = run_cli("leaderboard", run, [
         f"checkpoint={export}", f"bench={bench}", "baseline=base",
         'criteria=["concise answer, please","is friendly"]', 'contrast=["detailed answer"]',
         "topics=[t2]", "progress=false", "labels.criteria=concise", "labels.contrast=detailed",
-        f"votes={votes}", "suggest_votes=4", "both_orders=false", "slot_sample=0"], run_dir)
+        f"votes={votes}", "suggest_votes.pairs=4", "both_orders=false", "slot_sample=0"], run_dir)
     saved = json.loads((run_dir / "leaderboard.json").read_text())
     assert saved["votes"] == {"file": str(votes), "read": 2, "used": 1, "outside_topics": 1,
-                              "on_rejected_lines": 0}
+                              "on_rejected_lines": 0, "unscorable": 0}
     assert saved["interval"]["method"] == "ppi"  # auto, with votes; 1 vote: no interval, said so
     assert "1 votes where PPI needs 20" in saved["boards"][0]["rows"][0]["overall"]["interval_note"]
     suggested = [json.loads(x) for x in (run_dir / "suggested_votes.jsonl").read_text().splitlines()]
@@ -473,6 +475,7 @@ def test_crm_leaderboard_writes_json_md_png(tmp_path):
     assert len(suggested) == 4 and ("1", "m1") not in {(s["idx"], s["model"]) for s in suggested}
     assert suggested[0]["criteria"] == ["concise answer, please", "is friendly"]
     assert {"prompt", "baseline", "response", "topic"} <= set(suggested[0])
+    assert suggested[0]["bench"] == board["bench"] and "p" not in suggested[0]  # uniform
     assert saved["suggested_votes"]["pairs"] == 4
     assert saved == json.loads(json.dumps(result))
     assert saved["boards"][0]["criteria"] == ["concise answer, please", "is friendly"]
@@ -564,20 +567,43 @@ def test_strict_refuses_rejected_lines(tmp_path):
                                      "criteria=[x]", "strict=true"], tmp_path / "run")
 
 
-def test_the_installed_command(tmp_path):
-    """One run of the installed script: outputs land in hydra.run.dir."""
+def test_the_installed_command_and_the_documented_way_to_vote(tmp_path, monkeypatch, capsys):
+    """The installed script, as docs/EVALUATION.md says to use it: a board with suggested pairs,
+    a verdict added to each suggested line, the same board again with those votes; the votes on
+    a board under other criteria are refused in one line naming both criteria sets."""
+    from crm.cli.leaderboard import main
+
     export = export_tiny(tmp_path / "export")
-    run_dir = tmp_path / "run"
-    bin_dir = Path(sys.executable).parent
-    proc = subprocess.run(
-        [str(bin_dir / "crm-leaderboard"), f"checkpoint={export}", f"bench={demo_like_bench(tmp_path)}",
-         "baseline=base", "criteria=[concise answer]", "progress=false",
-         f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    bench = demo_like_bench(tmp_path)
+    command = [str(Path(sys.executable).parent / "crm-leaderboard"), f"checkpoint={export}",
+               f"bench={bench}", "baseline=base", "criteria=[concise answer]", "progress=false"]
+
+    def installed(*args):
+        proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc
+
+    proc = installed("suggest_votes.pairs=6", f"hydra.run.dir={tmp_path}/first")
     assert "| Rank | Rank (UB) | Rank set | Model | Overall | 95% CI | t1 | t2 |" in proc.stdout
-    assert {p.name for p in run_dir.iterdir()} >= {"leaderboard.json", "leaderboard.md",
-                                                   "leaderboard.png"}
+    assert {p.name for p in (tmp_path / "first").iterdir()} >= {
+        "leaderboard.json", "leaderboard.md", "leaderboard.png", "suggested_votes.jsonl"}
+    votes = tmp_path / "votes.jsonl"
+    votes.write_text("".join(json.dumps({**json.loads(line), "verdict": "win"}) + "\n"
+                             for line in (tmp_path / "first" / "suggested_votes.jsonl")
+                             .read_text().splitlines()))
+    installed(f"votes={votes}", f"hydra.run.dir={tmp_path}/voted")
+    saved = json.loads((tmp_path / "voted" / "leaderboard.json").read_text())
+    assert saved["votes"]["used"] == 6 and saved["interval"]["method"] == "ppi"
+    monkeypatch.setattr("sys.argv", [*command[:4], "criteria=[long answer]", f"votes={votes}",
+                                     f"hydra.run.dir={tmp_path}/other"])
+    capsys.readouterr()  # export_tiny's progress
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert (f"{votes}:1: criteria: this vote was given under the criteria ['concise answer']; "
+            "this board's are ['long answer']") in err[0]
 
 
 def test_a_failing_run_exits_non_zero(tmp_path, monkeypatch, capsys):

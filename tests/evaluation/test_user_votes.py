@@ -10,7 +10,7 @@ import torch
 from test_leaderboard import StubScorer, bench_line, write_bench
 
 from crm.core.records import RecordError
-from crm.evaluation.leaderboard import PPI_ASSUMES, leaderboard, select
+from crm.evaluation.leaderboard import PPI_ASSUMES, Outcome, leaderboard, select
 from crm.evaluation.render import markdown, plot
 from crm.evaluation.votes import Votes, read_votes
 
@@ -26,22 +26,38 @@ def bench(tmp_path: Path, queries: int = 30) -> Path:
     return write_bench(tmp_path / "bench.jsonl", lines)
 
 
-def write_votes(path: Path, lines: list) -> Path:
+CRITERIA = ["be brief"]
+
+
+def write_votes(path: Path, lines: list, selection) -> Path:
+    """Lines as given; a vote without a bench is given on `selection`'s."""
+    lines = [x if isinstance(x, str) or "bench" in x else {**x, "bench": selection.fingerprint}
+             for x in lines]
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path
 
 
-def vote(idx, model="m1", verdict="win") -> dict:
-    return {"idx": idx, "model": model, "verdict": verdict}
+def vote(idx, model="m1", verdict="win", criteria=CRITERIA) -> dict:
+    return {"idx": idx, "model": model, "verdict": verdict, "criteria": criteria}
 
 
 @pytest.mark.parametrize("line, field, reason", [
     ('{"idx": "q0", "model": "m1", ', "", "bad JSON"),
     ('["q0", "m1", "win"]', "", "a vote is a JSON object"),
-    ({"idx": "q0", "model": "m1"}, "verdict", "missing field"),
-    ({"idx": True, "model": "m1", "verdict": "win"}, "idx", "must be a string or an integer, not bool"),
-    ({"idx": "q0", "model": None, "verdict": "win"}, "model", "must be a string, not null"),
+    ({"idx": "q0", "model": "m1", "criteria": CRITERIA}, "verdict", "missing field"),
+    ({"idx": "q0", "model": "m1", "verdict": "win", "bench": "x"}, "criteria",
+     "missing field (the board's suggested_votes.jsonl lines carry it"),
+    ({**vote("q0"), "bench": "sha256:0123456789abcdef"}, "bench",
+     "these votes were given on the benchmark 'sha256:0123456789abcdef'; this board's "),
+    (vote("q0", criteria=["be long"]), "criteria", "this vote was given under the criteria "
+     "['be long']; this board's are ['be brief']"),
+    ({**vote("q0"), "p": 0.5}, "p", "p on some lines and not others"),
+    ({**vote("q0"), "criteria": "be brief"}, "criteria", "must be the board's criteria"),
+    ({**vote("q0"), "idx": True}, "idx", "must be a string or an integer, not bool"),
+    ({**vote("q0"), "model": None}, "model", "must be a string, not null"),
     ({**vote("q0"), "note": "x"}, "note", "unknown field"),
+    ({**vote("q0"), "prompt": "p", "topic": "t1", "baseline": "b", "response": "r"}, "idx",
+     "a second vote on ('q0', 'm1'): the first is line 2"),  # a suggested line's fields are kept
     (vote("q0", verdict="better"), "verdict", "'better' is not one of win, tie, loss"),
     (vote("q999"), "idx", "'q999' is no query of the benchmark"),
     (vote("q0", model="base"), "model", "'base' is not a ranked model (ranked: m1, m2, m3)"),
@@ -49,9 +65,15 @@ def vote(idx, model="m1", verdict="win") -> dict:
 ])
 def test_every_bad_line_names_file_line_and_field(tmp_path, line, field, reason):
     selection = select(bench(tmp_path), "base", topics=["t1", "t2"])
-    path = write_votes(tmp_path / "votes.jsonl", [vote("q1"), line, vote("q4")])
+    path = write_votes(tmp_path / "votes.jsonl", [vote("q1"), line, vote("q4")], selection)
+    if field == "idx" and "first is line 2" in reason:  # the kept fields pass: its twin fails
+        path = write_votes(path, [vote("q1"), line, vote("q0")], selection)
+        with pytest.raises(RecordError) as error:
+            read_votes(path, selection, CRITERIA)
+        assert (error.value.line, error.value.field) == (3, "idx") and reason in str(error.value)
+        return
     with pytest.raises(RecordError) as error:
-        read_votes(path, selection)
+        read_votes(path, selection, CRITERIA)
     assert (error.value.path, error.value.line, error.value.field) == (str(path), 2, field)
     assert str(error.value).startswith(f"{path}:2: {field + ': ' if field else ''}")
     assert reason in str(error.value) and "\n" not in str(error.value)
@@ -61,8 +83,8 @@ def test_votes_outside_the_topics_or_on_rejected_lines_are_counted_not_used(tmp_
     selection = select(bench(tmp_path), "base", topics=["t1", "t2"])
     path = write_votes(tmp_path / "votes.jsonl", [
         vote("q0"), vote("q0", "m2", "tie"), "", vote("q2", "m3", "loss"),  # q2: topic t3
-        vote("q-no-m3", "m1")])  # a line rejected for every model (no m3)
-    votes = read_votes(path, selection)
+        vote("q-no-m3", "m1")], selection)  # a line rejected for every model (no m3)
+    votes = read_votes(path, selection, CRITERIA)
     assert votes.used == {("q0", "m1"): "win", ("q0", "m2"): "tie"}
     assert votes.counts == {"file": str(path), "read": 4, "used": 2, "outside_topics": 1,
                             "on_rejected_lines": 1}
@@ -71,11 +93,12 @@ def test_votes_outside_the_topics_or_on_rejected_lines_are_counted_not_used(tmp_
 def test_a_bad_votes_file_stops_the_command_before_the_model_loads(tmp_path, monkeypatch, capsys):
     from crm.cli.leaderboard import main
 
-    path = write_votes(tmp_path / "votes.jsonl", [vote("q1"), vote("q1", verdict="meh")])
+    path = write_votes(tmp_path / "votes.jsonl", [vote("q1"), vote("q1", verdict="meh")],
+                       select(bench(tmp_path), "base"))
     # checkpoint= is no model at all: reaching the loader would fail differently
     monkeypatch.setattr("sys.argv", ["crm-leaderboard", f"checkpoint={tmp_path}/none",
-                                     f"bench={bench(tmp_path)}", "baseline=base", "criteria=[x]",
-                                     f"votes={path}", f"hydra.run.dir={tmp_path}/run"])
+                                     f"bench={bench(tmp_path)}", "baseline=base",
+                                     'criteria=["be brief"]', f"votes={path}", f"hydra.run.dir={tmp_path}/run"])
     with pytest.raises(SystemExit) as exit_info:
         main()
     err = capsys.readouterr().err.strip().splitlines()
@@ -125,23 +148,70 @@ def test_a_board_with_votes_has_ppi_intervals_rank_sets_and_costs_no_forward_mor
     assert [r["rank_set"] for r in thin] == [[1, 3]] * 3
 
 
-def test_suggested_pairs_are_seeded_spread_and_skip_what_was_voted(tmp_path):
+def judged_pairs(queries: dict[str, int], models=("m1", "m2"), sure: float = 0.5) -> list:
+    """Outcomes of a board as the CRM judged it: `queries[topic]` queries per topic, every model;
+    the CRM unsure (P(win) 0.5) on every fifth query, `sure` on the rest."""
+    out, i = [], 0
+    for topic, count in queries.items():
+        for _ in range(count):
+            for model in models:
+                p = 0.5 if i % 5 == 0 else sure
+                out.append(Outcome(model, topic, "win" if p > 0.5 else "loss", p, f"q{i}"))
+            i += 1
+    return out
+
+
+def test_suggested_pairs_are_a_uniform_sample_of_each_models_scored_pairs():
+    """An even share per model, going round the models, seeded; within a model uniform over its
+    scored pairs whatever their topic: with topics of 40 and 5 queries, the small one gets its
+    5/45 of the votes (spreading the votes over topics gave it half of them), and a pair the
+    CRM could not score (absent from the outcomes) is never proposed."""
     from collections import Counter
 
     from crm.evaluation.suggest import suggest_pairs
 
-    selection = select(bench(tmp_path), "base", topics=["t1", "t2"])
-    pairs = suggest_pairs(selection, 14, seed=3)
-    assert pairs == suggest_pairs(selection, 14, seed=3) != suggest_pairs(selection, 14, seed=4)
-    assert len(set(pairs)) == 14
-    assert sorted(Counter(m for _, m in pairs).values()) == [4, 5, 5]  # m1, m2 one more than m3
-    topics = {r.idx: r.topic for r in selection.records}
-    for model in selection.models:  # each model's pairs alternate over the two topics
-        mine = Counter(topics[i] for i, m in pairs if m == model)
-        assert abs(mine["t1"] - mine["t2"]) <= 1
-    again = suggest_pairs(selection, 100, seed=3, exclude=set(pairs))
-    assert not set(again) & set(pairs)
-    assert len(again) == 20 * 3 - 14  # all the rest: 20 queries in t1 and t2 x 3 models
+    judged = judged_pairs({"big": 40, "small": 5})
+    judged = [o for o in judged if (o.idx, o.model) != ("q3", "m1")]  # unscorable
+    pairs = suggest_pairs(judged, ("m1", "m2"), 7, seed=3)
+    assert pairs == suggest_pairs(judged, ("m1", "m2"), 7, seed=3)
+    assert pairs != suggest_pairs(judged, ("m1", "m2"), 7, seed=4)
+    assert [s.model for s in pairs] == ["m1", "m2"] * 3 + ["m1"] and len(set(pairs)) == 7
+    assert all(s.p is None for s in pairs)
+    small = {o.idx for o in judged if o.topic == "small"}
+    drawn = Counter()
+    for seed in range(400):
+        drawn.update((s.idx, s.model) for s in suggest_pairs(judged, ("m1", "m2"), 6, seed))
+    assert ("q3", "m1") not in drawn
+    share = sum(n for (idx, _), n in drawn.items() if idx in small) / sum(drawn.values())
+    assert share == pytest.approx(5 / 45, abs=0.03)
+    again = suggest_pairs(judged, ("m1", "m2"), 200, seed=3, exclude={(s.idx, s.model)
+                                                                       for s in pairs})
+    assert not {(s.idx, s.model) for s in again} & {(s.idx, s.model) for s in pairs}
+    assert len(again) == len(judged) - 7
+
+
+def test_active_pairs_are_drawn_with_the_probabilities_they_carry():
+    """strategy=active: more of the pairs the CRM is unsure of, each line's p its inclusion
+    probability (they sum to the model's share), and over many draws each pair is drawn p of
+    the time; the whole batch at once."""
+    from collections import Counter
+
+    from crm.evaluation.suggest import inclusion_probabilities, suggest_pairs
+
+    judged = judged_pairs({"t": 30}, sure=0.97)
+    pi = inclusion_probabilities([o for o in judged if o.model == "m1"], 4)
+    assert sum(pi) == pytest.approx(4) and max(pi) > 2 * min(pi)  # the unsure: p 0.5
+    pairs = suggest_pairs(judged, ("m1", "m2"), 8, seed=1, strategy="active")
+    assert Counter(s.model for s in pairs) == {"m1": 4, "m2": 4}
+    expected = dict(zip([o.idx for o in judged if o.model == "m1"], pi))
+    assert all(s.p == pytest.approx(expected[s.idx]) for s in pairs)
+    drawn = Counter()
+    for seed in range(2000):
+        drawn.update(s.idx for s in suggest_pairs(judged, ("m1", "m2"), 8, seed, strategy="active")
+                     if s.model == "m1")
+    assert max(abs(drawn[idx] / 2000 - p) for idx, p in expected.items()) < 0.04
+    with pytest.raises(ValueError, match="whole batch at once"):
+        suggest_pairs(judged, ("m1", "m2"), 8, exclude={("q0", "m1")}, strategy="active")
 
 
 def test_a_crm_that_reads_the_slot_is_caught_and_averaged_out(tmp_path):
