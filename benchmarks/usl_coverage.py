@@ -15,14 +15,19 @@ win rate for a model is then wins / pairs over all the bench's pairs.
 
 Criteria sets: `--sets` drawn from the demo's training wordings and as many from its held-out
 wordings, each naming 1-3 poles of distinct attributes. The CRM judges the bench once per
-criteria set (`crm.evaluation.leaderboard.judge`); `--users` users per set each vote on
-`--votes` pairs drawn uniformly without replacement from the bench's (query, model) pairs, and
-their board is `crm.evaluation.leaderboard.win_rates` with those votes (PPI). Beside it: today's
+criteria set (`crm.evaluation.leaderboard.judge`); `--users` users per set each vote on the
+pairs `crm-leaderboard suggest_votes` would give them (crm.evaluation.suggest, a seed per user),
+for each of `--votes` (a list) and each `--strategies` (uniform, active), and their board is
+`crm.evaluation.leaderboard.win_rates` with those votes (PPI). Beside it: today's
 bootstrap board (no votes: the CRM taken as the user) and Wilson intervals from the votes alone.
 Reported per wording kind and overall: the share of (user, model) cases whose interval holds the
-true Overall win rate, the mean width, PPI's width over the votes-only width, the share whose
+true Overall win rate (and the worst model's share: each model's interval must hold for that
+model), the mean width, PPI's width over the votes-only width, the share whose
 rank set holds the true rank (strict: every rank the model's true win rate could hold, ties in
-truth counted as the whole tied range), and the mean rank-set size.
+truth counted as the whole tied range), the share of boards whose rank sets all hold together,
+and the mean rank-set size. The top level's `even_user` and `taste_user` are the first strategy
+at the first vote count; `strategies` holds every (strategy, votes) with its width over
+uniform's.
 
 Beside them, why PPI is as wide as it is (docs/EVALUATION.md section 7): the CRM's agreement with
 the user on the win indicator PPI uses (a tie is not a win), rho^2 (the share of the user's win
@@ -36,7 +41,8 @@ with its win verdict flipped on that share of the pairs: what the same estimator
 that fits.
 
     nice -n 5 python benchmarks/usl_coverage.py [--checkpoint outputs/demo/export]
-        [--bench .cache/demo/raw/bench.jsonl] [--sets 20] [--users 6] [--votes 50] [--level 0.95]
+        [--bench .cache/demo/raw/bench.jsonl] [--sets 20] [--users 6] [--votes 50,30,100]
+        [--strategies uniform,active] [--level 0.95]
         [--noise 0.1] [--seed 0] [--threads 1] [--synthetic-crm ERROR] [--out FILE]
 """
 from __future__ import annotations
@@ -54,7 +60,8 @@ from crm.data.demo import (ATTRIBUTES, BENCH_BASELINE, CAVEAT_MARKERS, CROWD_TAS
                            bench_styles, rule_verdict)
 from crm.evaluation.leaderboard import (LOSS, TIE, WIN, Bootstrap, Outcome, judge, select,
                                         win_rates)
-from crm.evaluation.ppi import CellData, ppi_group, wilson
+from crm.evaluation.ppi import CellData, ppi_pooled, wilson
+from crm.evaluation.suggest import suggest_pairs
 
 VERDICTS = (WIN, TIE, LOSS)
 RULE = {"model_a": WIN, "model_b": LOSS, "tie": TIE}  # rule_verdict's first side is the model
@@ -171,9 +178,18 @@ def summarise(cases: list[dict]) -> dict:
     def mean(key):
         return round(float(np.mean([c[key] for c in cases])), 4)
 
+    by_model: dict[str, list[bool]] = {}
+    by_board: dict[int, list[bool]] = {}
+    for c in cases:
+        by_model.setdefault(c["model"], []).append(c["ppi_covers"])
+        by_board.setdefault(c["board"], []).append(c["ppi_rank_covers"])
+    worst = min(by_model, key=lambda m: np.mean(by_model[m]))
     return {"cases": len(cases),
             "coverage": {"ppi": mean("ppi_covers"), "bootstrap": mean("boot_covers"),
                          "votes_only": mean("votes_covers")},
+            "ppi_worst_model": {"model": worst, "coverage": round(float(np.mean(by_model[worst])),
+                                                                   4)},
+            "rank_sets_all_hold": round(float(np.mean([all(b) for b in by_board.values()])), 4),
             "mean_width": {"ppi": mean("ppi_width"), "bootstrap": mean("boot_width"),
                            "votes_only": mean("votes_width")},
             "ppi_over_votes_only_width": round(mean("ppi_width") / mean("votes_width"), 4),
@@ -191,20 +207,24 @@ def summarise(cases: list[dict]) -> dict:
             "mean_votes_per_model": mean("votes")}
 
 
-def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot, ppi_spec,
-             cases: list) -> None:
-    """One user: their verdicts, true win rates and ranks, 50 random votes, their PPI board;
-    beside it the CRM's fit to this user (win agreement, within-model rho^2) and PPI's intervals
-    had the CRM's spread of error across models been known (the oracle tau^2)."""
+def draw_user(rng, args, keys, rule, records, models) -> tuple[dict, dict, dict]:
+    """One user: (their verdict per pair, their true win rate per model, their true ranks)."""
     noisy = rng.random(len(keys)) < args.noise
     drawn = rng.integers(0, 3, len(keys))
     user = {k: VERDICTS[drawn[i]] if noisy[i] else rule[k] for i, k in enumerate(keys)}
-    truth = {m: float(np.mean([user[r.idx, m] == WIN for r in records]))
-             for m in models}
-    ranks = true_ranks(truth)
-    voted = rng.choice(len(keys), size=args.votes, replace=False)
-    votes = {keys[i]: user[keys[i]] for i in voted}
-    rows = {r["model"]: r for r in win_rates(outcomes, models, topics, ppi_spec, votes)}
+    truth = {m: float(np.mean([user[r.idx, m] == WIN for r in records])) for m in models}
+    return user, truth, true_ranks(truth)
+
+
+def simulate(seed: int, board: int, args, keys, user, truth, ranks, models, topics, outcomes,
+             crm, boot, ppi_spec, strategy: str, n_votes: int, cases: list) -> None:
+    """One user's board from `n_votes` votes drawn by `strategy` (crm.evaluation.suggest); beside
+    it the CRM's fit to this user (win agreement, within-model rho^2) and PPI's pooled intervals
+    had the CRM's spread of error across models been known (the oracle tau^2)."""
+    drawn = suggest_pairs(outcomes, models, n_votes, seed, strategy=strategy)
+    votes = {(s.idx, s.model): user[s.idx, s.model] for s in drawn}
+    weights = {(s.idx, s.model): 1 / s.p for s in drawn if s.p is not None}
+    rows = {r["model"]: r for r in win_rates(outcomes, models, topics, ppi_spec, votes, weights)}
     agreement = float(np.mean([crm[k].result == user[k] for k in keys]))
     y = np.array([user[k] == WIN for k in keys], dtype=float)
     f = np.array([crm[k].p_win for k in keys])
@@ -215,19 +235,21 @@ def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot
     for m in models:
         at = [i for i, k in enumerate(keys) if k[1] == m]
         mine = [i for i in at if keys[i] in votes]
-        cells.append(CellData(f[at], f[mine], y[mine]))
-    oracle = dict(zip(models, ppi_group(cells, spread=oracle_spread(y, f, model_of, models))))
+        cells.append(CellData(f[at], f[mine], y[mine], [weights.get(keys[i], 1.0) for i in mine]))
+    oracle = dict(zip(models, ppi_pooled(cells, spread=oracle_spread(y, f, model_of, models))))
     for m in models:
         ppi, bt = rows[m]["overall"], boot[m]["overall"]
         mine = [user[k] == WIN for k in votes if k[1] == m]
         only = wilson(mine, args.level) or (0.0, 1.0)
         lo, hi = ranks[m]
         best = oracle[m].interval(args.level)
+        # a model without an interval (no vote on it) counts as the whole range
+        ci = (0.0, 1.0) if ppi["ci_low"] is None else (ppi["ci_low"], ppi["ci_high"])
         cases.append({
+            "model": m, "board": board,
             "oracle_covers": best[0] <= truth[m] <= best[1], "oracle_width": best[1] - best[0],
             "win_agreement": win_agreement, "within_r2": r2,
-            "ppi_covers": ppi["ci_low"] <= truth[m] <= ppi["ci_high"],
-            "ppi_width": ppi["ci_high"] - ppi["ci_low"],
+            "ppi_covers": ci[0] <= truth[m] <= ci[1], "ppi_width": ci[1] - ci[0],
             "boot_covers": bt["ci_low"] <= truth[m] <= bt["ci_high"],
             "boot_width": bt["ci_high"] - bt["ci_low"],
             "votes_covers": only[0] <= truth[m] <= only[1],
@@ -237,6 +259,30 @@ def simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot
             "boot_rank_covers": boot[m]["rank_set"][0] <= lo and boot[m]["rank_set"][1] >= hi,
             "boot_rank_size": boot[m]["rank_set"][1] - boot[m]["rank_set"][0] + 1,
             "agreement": agreement, "votes": len(mine)})
+
+
+def strategy_table(cases: dict, plans: list) -> list[dict]:
+    """Per (strategy, votes) and user kind, over both wording kinds: PPI's coverage, worst
+    model's coverage, rank sets holding together, mean width, and that width over uniform's at
+    the same vote count."""
+    out = []
+    for strategy, n in plans:
+        for user in ("even", "taste"):
+            mine = cases["train", user, (strategy, n)] + cases["heldout", user, (strategy, n)]
+            summary = summarise(mine)
+            row = {"strategy": strategy, "votes": n, "user": user,
+                   "coverage": summary["coverage"]["ppi"],
+                   "worst_model_coverage": summary["ppi_worst_model"]["coverage"],
+                   "rank_sets_all_hold": summary["rank_sets_all_hold"],
+                   "mean_width": summary["mean_width"]["ppi"],
+                   "over_votes_only_width": summary["ppi_over_votes_only_width"]}
+            if ("uniform", n) in plans:
+                base = summarise(cases["train", user, ("uniform", n)]
+                                 + cases["heldout", user, ("uniform", n)])
+                row["width_over_uniform"] = round(row["mean_width"]
+                                                  / base["mean_width"]["ppi"], 4)
+            out.append(row)
+    return out
 
 
 def _share(hits: list[bool]) -> float | None:
@@ -249,7 +295,9 @@ def main() -> None:
     parser.add_argument("--bench", default=".cache/demo/raw/bench.jsonl")
     parser.add_argument("--sets", type=int, default=20, help="criteria sets per wording kind")
     parser.add_argument("--users", type=int, default=6, help="users per criteria set")
-    parser.add_argument("--votes", type=int, default=50)
+    parser.add_argument("--votes", default="50", help="vote counts per user, comma-separated")
+    parser.add_argument("--strategies", default="uniform",
+                        help="suggest_votes strategies, comma-separated (uniform, active)")
     parser.add_argument("--level", type=float, default=0.95)
     parser.add_argument("--noise", type=float, default=0.10)
     parser.add_argument("--seed", type=int, default=0)
@@ -263,6 +311,9 @@ def main() -> None:
                              "share of pairs stands in for it (a study of the estimator)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    vote_counts = [int(v) for v in str(args.votes).split(",")]
+    strategies = str(args.strategies).split(",")
+    plans = [(strategy, n) for strategy in strategies for n in vote_counts]
     if args.spread_level is not None:
         import crm.evaluation.ppi
 
@@ -285,7 +336,9 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     ppi_spec = Bootstrap(level=args.level, method="ppi")
     boot_spec = Bootstrap(level=args.level, method="bootstrap")
-    cases = {(kind, user): [] for kind in ("train", "heldout") for user in ("even", "taste")}
+    cases = {(kind, user, plan): [] for kind in ("train", "heldout") for user in ("even", "taste")
+             for plan in plans}
+    boards = 0
     sets, tie_verdicts = [], []
     by_shape = {(kind, user, shape): [] for kind in ("train", "heldout")
                 for user in ("even", "taste") for shape in SHAPES}
@@ -311,8 +364,13 @@ def main() -> None:
                     by_rule[kind, user_kind, "tie" if rule[k] == TIE else "decided"].append(
                         crm[k].result == rule[k])
                 for _ in range(args.users):
-                    simulate(rng, args, keys, rule, records, models, topics, outcomes, crm, boot,
-                             ppi_spec, cases[kind, user_kind])
+                    user, truth, ranks = draw_user(rng, args, keys, rule, records, models)
+                    seed = int(rng.integers(2**31))
+                    boards += 1
+                    for plan in plans:
+                        simulate(seed, boards, args, keys, user, truth, ranks, models, topics,
+                                 outcomes, crm, boot, ppi_spec, *plan,
+                                 cases[kind, user_kind, plan])
     result = {
         "benchmark": "usl_coverage",
         "command": "python benchmarks/usl_coverage.py " + " ".join(
@@ -322,14 +380,16 @@ def main() -> None:
         "pairs": len(keys), "models": len(models), "queries": len(records),
         "users_per_kind": {"train_wordings": args.users * args.sets,
                            "heldout_wordings": args.users * args.sets},
-        "votes_per_user": args.votes, "level": args.level, "user_noise": args.noise,
+        "votes_per_user": vote_counts[0], "strategy": strategies[0], "level": args.level,
+        "user_noise": args.noise,
         "spread_level": args.spread_level or 0.95,
         "criteria_sets": len(sets), "crm_sequences": int(scorer.counts["sequences"]) if scorer else 0,
         **{f"{user}_user": {
-            "train_wordings": summarise(cases["train", user]),
-            "heldout_wordings": summarise(cases["heldout", user]),
-            "all": summarise(cases["train", user] + cases["heldout", user])}
+            "train_wordings": summarise(cases["train", user, plans[0]]),
+            "heldout_wordings": summarise(cases["heldout", user, plans[0]]),
+            "all": summarise(cases["train", user, plans[0]] + cases["heldout", user, plans[0]])}
            for user in ("even", "taste")},
+        "strategies": strategy_table(cases, plans),
         # the CRM's verdict against the user's rule (before their noise), by how the criteria meet
         # the pair: what separates the README's 0.95 (test pairs of the `exact` shape) from here
         "crm_agreement_by_pair_shape": {

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,29 @@ def test_win_rates_are_micro_averaged_with_ties_apart():
     # equal win rates share a rank, listed by mean P(win); the intervals cannot tell them apart
     assert [(r["rank"], r["rank_ub"], r["model"]) for r in rows] == [(1, 1, "m1"), (1, 1, "m2")]
     assert [r["rank_set"] for r in rows] == [[1, 2], [1, 2]]
+
+
+def test_a_tie_is_worth_tie_value_in_the_crms_rates_and_the_users_votes_alike():
+    """interval.tie_value 0.5: a tie is half a win in the win rate, the bootstrap's samples, the
+    CRM's prediction PPI corrects (P(win) + 0.5 P(tie)) and the user's votes; 0 (the default) is
+    no win; the board says which."""
+    outcomes = [Outcome(m, "t", TIE, 0.05, f"q{i}", 0.9) for m in ("m1", "m2") for i in range(30)]
+    half, none = Bootstrap(tie_value=0.5), Bootstrap()
+    by = {r["model"]: r["overall"] for r in win_rates(outcomes, ["m1", "m2"], ["t"], half)}
+    assert by["m1"]["win_rate"] == 0.5 and by["m1"]["ci_low"] == by["m1"]["ci_high"] == 0.5
+    assert win_rates(outcomes, ["m1", "m2"], ["t"], none)[0]["overall"]["win_rate"] == 0.0
+    votes = {(f"q{i}", m): TIE for m in ("m1", "m2") for i in range(12)}  # the user agrees
+    for spec, expected in ((half, 0.5), (none, 0.0)):
+        ppi = win_rates(outcomes, ["m1", "m2"], ["t"], replace(spec, method="ppi"), votes)
+        assert ppi[0]["overall"]["win_rate"] == pytest.approx(expected, abs=1e-9)
+        assert ppi[0]["overall"]["ci_low"] <= expected <= ppi[0]["overall"]["ci_high"]
+    with pytest.raises(ValueError, match="interval.tie_value=2: what a tie is worth"):
+        win_rates(outcomes, ["m1"], ["t"], Bootstrap(tie_value=2))
+    result = {"baseline": "b", "topics": ["t"], "both_orders": False, "votes": None,
+              "examples": {"used": 30, "rejected": 0, "outside_topics": 0, "read": 30},
+              "interval": {"level": 0.95, "tie_value": 0.5}, "boards": [], "rejects": []}
+    assert "a tie counting as half a win" in markdown(result)
+    assert "a tie counting as no win" in markdown({**result, "interval": {"tie_value": 0}})
 
 
 def test_bootstrap_intervals_by_hand():

@@ -98,7 +98,8 @@ def test_a_bad_votes_file_stops_the_command_before_the_model_loads(tmp_path, mon
     # checkpoint= is no model at all: reaching the loader would fail differently
     monkeypatch.setattr("sys.argv", ["crm-leaderboard", f"checkpoint={tmp_path}/none",
                                      f"bench={bench(tmp_path)}", "baseline=base",
-                                     'criteria=["be brief"]', f"votes={path}", f"hydra.run.dir={tmp_path}/run"])
+                                     'criteria=["be brief"]', f"votes={path}",
+                                     f"hydra.run.dir={tmp_path}/run"])
     with pytest.raises(SystemExit) as exit_info:
         main()
     err = capsys.readouterr().err.strip().splitlines()
