@@ -1,9 +1,10 @@
 """What a board's verdicts depend on, and where they are kept: fingerprints, keys, memory, disk.
 
-A criteria set is judged once over every benchmark pair; its outcomes are kept under a key that
-hashes everything a verdict depends on: the CRM's fingerprint (the contents of its files), the
-benchmark's (the file's contents), the baseline, the normalised criteria, `both_orders` and the
-dtype. A changed checkpoint or benchmark changes every key, so its old verdicts are never found.
+A criteria set is judged once over every benchmark pair; its outcomes, with the slot-bias
+measurement and the orders it was judged in, are kept under a key that hashes everything a
+verdict depends on: the CRM's fingerprint (the contents of its files), the benchmark's (the file's
+contents), the baseline, the normalised criteria, `both_orders`, the slot sample and its seed, and
+the dtype. A changed checkpoint or benchmark changes every key, so its old verdicts are never found.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from crm.core.files import write_json
 from crm.core.lru import LRU
@@ -19,8 +21,18 @@ from crm.evaluation.leaderboard import Outcome
 
 log = logging.getLogger("crm.app")
 # Of the files on disk; part of every key, so files of an earlier format are never found (they
-# are scored again) and age out. 2: each outcome keeps its P(tie).
-FORMAT = 2
+# are scored again) and age out. 2: each outcome keeps its P(tie); 3: with the slot-bias
+# measurement and the orders judged.
+FORMAT = 3
+
+
+class Verdicts(NamedTuple):
+    """A criteria set's judgement: every pair's outcome, the slot-bias measurement (None when
+    not measured) and whether the pairs were judged in both orders."""
+
+    outcomes: list[Outcome]
+    slot_bias: dict | None = None
+    both_orders: bool = False
 
 
 def file_digest(path: Path) -> str:
@@ -65,42 +77,45 @@ class VerdictCache:
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
 
-    def get(self, fields: dict) -> list[Outcome] | None:
+    def get(self, fields: dict) -> Verdicts | None:
         key = verdict_key(fields)
-        outcomes = self.memory.get(key)
-        if outcomes is None and self.directory:
-            outcomes = self._read(key, fields)
-            if outcomes is not None:
-                self.memory.put(key, outcomes)
-        return outcomes
+        verdicts = self.memory.get(key)
+        if verdicts is None and self.directory:
+            verdicts = self._read(key, fields)
+            if verdicts is not None:
+                self.memory.put(key, verdicts)
+        return verdicts
 
-    def put(self, fields: dict, outcomes: list[Outcome]) -> None:
+    def put(self, fields: dict, verdicts: Verdicts) -> None:
         key = verdict_key(fields)
-        self.memory.put(key, outcomes)
+        self.memory.put(key, verdicts)
         if self.directory:
-            self._write(key, fields, outcomes)
+            self._write(key, fields, verdicts)
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
 
-    def _read(self, key: str, fields: dict) -> list[Outcome] | None:
+    def _read(self, key: str, fields: dict) -> Verdicts | None:
         path = self._path(key)
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
             if saved["format"] != FORMAT or saved["fields"] != fields:
                 raise ValueError("its fields differ from the key's")
-            outcomes = [Outcome(*o) for o in saved["outcomes"]]
+            verdicts = Verdicts([Outcome(*o) for o in saved["outcomes"]], saved["slot_bias"],
+                                bool(saved["both_orders"]))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring the cached verdicts %s: %s", path, exc)
             return None
         os.utime(path)  # recently used: the last to be evicted
-        return outcomes
+        return verdicts
 
-    def _write(self, key: str, fields: dict, outcomes: list[Outcome]) -> None:
-        write_json(self._path(key), {"format": FORMAT, "fields": fields, "outcomes": [
-            [o.model, o.topic, o.result, o.p_win, o.idx, o.p_tie] for o in outcomes]})
+    def _write(self, key: str, fields: dict, verdicts: Verdicts) -> None:
+        write_json(self._path(key), {
+            "format": FORMAT, "fields": fields, "slot_bias": verdicts.slot_bias,
+            "both_orders": verdicts.both_orders, "outcomes": [
+                [o.model, o.topic, o.result, o.p_win, o.idx, o.p_tie] for o in verdicts.outcomes]})
         files = self._by_age()
         for old in files[:max(0, len(files) - self.disk_entries)]:
             old.unlink(missing_ok=True)

@@ -4,8 +4,14 @@ left unread bounded in number and age, and its sessions bounded in number and id
 
 Gradio's upload route writes every file it is given to disk, in a directory per request (24 x
 900 distinct 1 KB files took 19,837 of 20,000 descriptors); the page uploads one small file, the
-votes of its calibration step, so a request may carry one file of at most `upload_bytes`, and
-while `uploads` files lie in Gradio's upload folder a new one waits (429) for them to age out.
+votes of its calibration step, so a request may carry one file of at most `upload_bytes`, whose
+body must arrive within `read_timeout` seconds. The guard keeps the paths Gradio answers for each
+upload and the address that sent it: while `uploads` of those files are still held, or
+`uploads_per_address` from one client address, a new one waits (429) for them to age out. The
+page's own downloads lie in the same folder (each answer of the calibration step writes two) and
+are never counted. (A folder of the uploads' own does not work: Gradio serves files from its
+upload folder and its cache only, so the page's downloads would be refused, and allowing its
+folder by `allowed_paths` would serve an uploaded HTML file inline.)
 Gradio serves event streams that run until the client leaves (a session's heartbeat, the queue's
 events, an API call's result), and keeps every API call's result until its caller reads it (`POST
 /call/rank`, then `GET /call/rank/{event_id}`): 2,000 results never read held 239 MB. All are
@@ -36,7 +42,7 @@ from typing import NamedTuple
 from urllib.parse import parse_qs
 
 from crm.core.errors import excerpt
-from crm.core.http import refuse, replayed
+from crm.core.http import BodyTooLarge, read_body, refuse, replayed
 
 log = logging.getLogger("crm.app")
 
@@ -223,8 +229,10 @@ class ServingGuard:
     """ASGI middleware in front of the mounted page:
 
     - an upload (POST) of more than one file, or of more than `upload_bytes` (and the multipart
-      framing), is refused (413) with one line, and so is any while `uploads` files lie in
-      `upload_folder` (429); the routes the page does not use are closed (404);
+      framing), is refused (413) with one line, one whose body has not arrived within
+      `read_timeout` seconds is cut (408), and any while `uploads` uploaded files are held, or
+      `uploads_per_address` from the client's address (429); the routes the page does not use
+      are closed (404);
     - at most `per_address` event streams from one client address and `total` in all (429 past
       them), each ended after `lifetime` seconds: a browser's EventSource reconnects, a client
       that opened thousands holds none of them for long;
@@ -236,12 +244,15 @@ class ServingGuard:
     def __init__(self, app, per_address: int = 8, total: int = 128, lifetime: float = 600.0,
                  results_per_address: int = 32, results: int = 256, result_age: float = 120.0,
                  sessions: Sessions | None = None, upload_bytes: int = 16384, uploads: int = 64,
-                 upload_folder=None):
+                 uploads_per_address: int = 8, read_timeout: float = 30.0):
         self.app, self.per_address, self.total, self.lifetime = app, per_address, total, lifetime
-        self.upload_bytes, self.uploads, self.upload_folder = upload_bytes, uploads, upload_folder
+        self.upload_bytes, self.uploads = upload_bytes, uploads
+        self.uploads_per_address, self.read_timeout = uploads_per_address, read_timeout
+        self.uploaded: dict[Path, Unread] = {}  # an uploaded file held -> its sender, since when
         self.results_per_address, self.results, self.result_age = (results_per_address, results,
                                                                     result_age)
         self.sessions = sessions or Sessions()
+        self.upload_grace = 10.0
         self.open: Counter = Counter()
         self.unread: dict[str, Unread] = {}  # event id -> its caller's address, since when
 
@@ -262,37 +273,52 @@ class ServingGuard:
     async def _upload(self, scope, receive, send) -> None:
         if scope.get("method") != "POST":
             return await refuse(scope, send, 405, "an upload is a POST")
-        held = self._uploads_held()
-        if held >= self.uploads:
+        address = _address(scope)
+        self._forget_uploads()
+        held = len(self.uploaded)
+        mine = sum(u.address == address for u in self.uploaded.values())
+        if held >= self.uploads or mine >= self.uploads_per_address:
             return await refuse(scope, send, 429, (
-                f"{held} uploaded files held (at most {self.uploads}): try again once they age out"))
-        limit = self.upload_bytes + MULTIPART_OVERHEAD
-        body, more = b"", True
-        while more:  # at most `limit` bytes: read whole, then handed on as one message
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                return await refuse(scope, send, 413, (
-                    f"an upload takes one file of at most {self.upload_bytes} bytes (the votes file)"))
+                f"uploaded files held: {mine} from {address}, {held} in all (at most "
+                f"{self.uploads_per_address} and {self.uploads}): try again once they age out"))
+        try:
+            body = await read_body(receive, self.upload_bytes + MULTIPART_OVERHEAD,
+                                   self.read_timeout)
+        except BodyTooLarge:
+            return await refuse(scope, send, 413, (
+                f"an upload takes one file of at most {self.upload_bytes} bytes (the votes file)"))
+        except TimeoutError:
+            return await refuse(scope, send, 408, (
+                f"the upload did not arrive within {self.read_timeout:g} s"))
         if body.count(b'filename="') > 1:
             return await refuse(scope, send, 413, "an upload takes one file (the votes file)")
-        await self.app(scope, replayed(body, receive), send)
+        answer = {"status": 0, "body": b""}
 
-    def _uploads_held(self) -> int:
-        """Files with content in the upload folder (Gradio's multipart parser also leaves an
-        empty temporary file per upload there: those cost no disk and are removed at exit)."""
-        if self.upload_folder is None:
-            return 0
-        held = 0
-        for path in Path(self.upload_folder).rglob("*"):
+        async def captured(message) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+            elif message["type"] == "http.response.body" and len(answer["body"]) < 65536:
+                answer["body"] += message.get("body", b"")
+            await send(message)
+
+        await self.app(scope, replayed(body, receive), captured)
+        if answer["status"] == 200:  # Gradio answers with the paths it wrote
             try:
-                held += path.is_file() and path.stat().st_size > 0
-            except OSError:  # deleted while counted
-                pass
-        return held
+                paths = json.loads(answer["body"])
+            except ValueError:
+                return
+            for path in paths if isinstance(paths, list) else ():
+                if isinstance(path, str):
+                    self.uploaded[Path(path)] = Unread(address, time.monotonic())
+
+    def _forget_uploads(self) -> None:
+        """Uploads whose file is gone (Gradio deletes each at its age) are no longer held; a
+        file may still be on its way for `upload_grace` seconds (Gradio moves some after it
+        answers)."""
+        now = time.monotonic()
+        for path in [p for p, u in self.uploaded.items()
+                     if now - u.since > self.upload_grace and not p.is_file()]:
+            del self.uploaded[path]
 
     async def _call(self, scope, receive, send) -> None:
         address = _address(scope)

@@ -17,8 +17,10 @@ client does not read dropped after `write_timeout`, idle connections closed afte
 503 past `connections` and 429 past `per_address` from one address, bodies over `max_body` bytes
 refused (413) and JSON bodies past 10,000 values or 32 levels (400) before Gradio reads them; and
 with crm/app/guards.py's: Gradio's upload route cut to the page's one upload (one file of at most
-`max_upload` bytes a request, the votes file of about 250 votes at 16 KiB; none while `uploads`
-files are held), event streams at most `streams_per_address` per address and `streams` in all,
+`max_upload` bytes a request, the votes file of about 250 votes at 16 KiB, due within
+`read_timeout`; none while `uploads` uploaded files are held, or `uploads_per_address` from the
+client's address, counted from the paths Gradio answered, so that the page's downloads beside
+them never count), event streams at most `streams_per_address` per address and `streams` in all,
 each ended after `stream_lifetime` seconds; API results not yet read at most
 `results_per_address` per address and `results` in all (429 past them), each dropped when unread
 after `result_age` seconds (and once read); sessions (the state Gradio keeps for each page a
@@ -56,13 +58,13 @@ import pandas as pd
 import uvicorn
 from fastapi import FastAPI
 
-from crm.app.calibrate import SUGGESTED, Calibration, sides, write_votes
+from crm.app.calibrate import SUGGESTED, Calibration, restored, sides, stored, write_votes
 from crm.app.guards import ServingGuard, SessionGuard, Sessions
 from crm.app.service import BoardError, Leaderboards
 from crm.core.files import write_kept
 from crm.core.http import BodyLimit, server_config
 from crm.evaluation.leaderboard import DEFAULT_CRITERIA
-from crm.evaluation.render import interval, rank_set, tau_sentence
+from crm.evaluation.render import interval, rank_set, slot_note, tau_sentence
 
 log = logging.getLogger("crm.app")
 
@@ -108,6 +110,7 @@ class HttpLimits:
     max_body: int = 2**20
     max_upload: int = 16384
     uploads: int = 64
+    uploads_per_address: int = 8
     streams: int = 128
     streams_per_address: int = 8
     stream_lifetime: float = 600.0
@@ -118,6 +121,7 @@ class HttpLimits:
     sessions_per_address: int = 64
     session_age: float = 3600.0
     file_age: int = 3600
+    forwarded_allow_ips: str = "127.0.0.1,::1"  # uvicorn's: proxies trusted to name the client
 
 
 # -- rendering a board ----------------------------------------------------------------------------
@@ -158,6 +162,10 @@ def info(doc: dict) -> str:
     if "similar_to" in doc:
         lines.append(f"on the {doc['examples']} queries most similar to "
                      f"“{e(doc['similar_to'])}”")
+    if doc.get("both_orders"):
+        lines += ["", "Each pair judged in both orders, averaged"]
+    if slot_note(doc):  # crm-leaderboard's warning, in its words
+        lines += ["", f"**{e(slot_note(doc))}**"]
     return "\n".join(lines)
 
 
@@ -301,9 +309,16 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                                                        size="sm", elem_id="votes-upload")
                 state = gr.State()
                 calibration = gr.State()
+                # The votes per criteria set, in the browser: kept across boards, reloads and the
+                # server forgetting an idle session. Gradio encrypts them with a secret the page
+                # itself sends, which hides nothing from their owner: a fixed one keeps them
+                # readable after a restart. Keyed by the benchmark: votes name its pairs.
+                bench_id = service.fingerprints["bench"][:16]
+                votes_store = gr.BrowserState({}, storage_key=f"crm-usl-votes-{bench_id}",
+                                              secret=f"crm-usl-votes-{bench_id}")
 
         def generate(criteria_text, contrast_text, chosen_topics, describe_text, k_value,
-                     progress=gr.Progress()) -> dict:
+                     store=None, progress=gr.Progress()) -> dict:
             """The customizable board; a BoardError leaves the board as it was, with the message."""
             def report(done, total):
                 progress((done, total), desc="The CRM is judging the benchmark", unit="queries")
@@ -323,14 +338,21 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                 return {status: "**Internal error:** the server logged it; please report it."}
             frame = table(doc)
             query = link(criteria_set, contrast_set, choice.topics, choice.describe, k_value)
-            fresh = Calibration(tuple(service.suggestions(criteria_set, choice, SUGGESTED)))
-            return {status: "", board_info: info(doc), board: frame, board_chart: chart(doc),
-                    download: gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
-                    share: f"[Link to this board]({query})", **contrast_view(versus),
-                    model: gr.update(choices=list(service.models), value=None), examples: None,
-                    state: (criteria_set, choice), calibration: fresh,
-                    votes_file: gr.update(visible=False), **pair_view(fresh),
-                    vote_status: "No votes yet: the board's intervals take the CRM for you."}
+            votes, answered = restored(store, criteria_set, lambda idx, name: (
+                idx in service.records and name in service.models))
+            queue = service.suggestions(criteria_set, choice, SUGGESTED)
+            fresh = Calibration(tuple(x for x in queue if (x["idx"], x["model"]) not in votes),
+                                votes, answered)
+            shown = {status: "", board_info: info(doc), board: frame, board_chart: chart(doc),
+                     download: gr.update(value=str(write_csv(frame, csv_dir)), visible=True),
+                     share: f"[Link to this board]({query})", **contrast_view(versus),
+                     model: gr.update(choices=list(service.models), value=None), examples: None,
+                     state: (criteria_set, choice), calibration: fresh,
+                     votes_file: gr.update(visible=False), **pair_view(fresh),
+                     vote_status: "No votes yet: the board's intervals take the CRM for you."}
+            if votes:  # this criteria set's votes, as they were: the board calibrated with them
+                shown.update(recalibrate(fresh, (criteria_set, choice), store, kept=True))
+            return shown
 
         def pair_view(current: Calibration) -> dict:
             if not current.queue:
@@ -344,8 +366,9 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                     response_a: f"**A**\n\n{text(shown_a)}",
                     response_b: f"**B**\n\n{text(shown_b)}"}
 
-        def recalibrate(current: Calibration, board_state) -> dict:
-            """The board again with PPI intervals and rank sets from the votes so far."""
+        def recalibrate(current: Calibration, board_state, store, kept: bool = False) -> dict:
+            """The board again with PPI intervals and rank sets from the votes so far (`kept`:
+            those the browser kept for these criteria, brought back with a new board)."""
             started = time.perf_counter()
             doc = service.calibrated(*board_state, current.votes)
             frame = table(doc)
@@ -356,25 +379,28 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                     votes_file: gr.update(value=str(write_votes(
                         current.votes, csv_dir, board_state[0], service.selection.fingerprint)),
                                           visible=True),
-                    vote_status: (f"{len(current.votes)} votes, {current.answered} pairs "
-                                  f"answered; {trust(doc)}. Board recomputed in {seconds:.2f} s.")}
+                    votes_store: stored(store, board_state[0], current),
+                    vote_status: (f"{len(current.votes)} votes"
+                                  + (" kept from before under these criteria" if kept else "")
+                                  + f", {current.answered} pairs answered; {trust(doc)}. Board "
+                                  f"recomputed in {seconds:.2f} s.")}
 
         def answer(choice: str) -> Callable:
-            def handle(current: Calibration | None, board_state) -> dict:
+            def handle(current: Calibration | None, board_state, store) -> dict:
                 if current is None or board_state is None:
                     return {vote_status: "Generate a board first."}
                 try:
-                    return recalibrate(current.answer(choice), board_state)
+                    return recalibrate(current.answer(choice), board_state, store)
                 except BoardError as exc:
                     return {vote_status: f"**Cannot recompute:** {text(str(exc))}"}
             return handle
 
-        def upload(path, current: Calibration | None, board_state) -> dict:
+        def upload(path, current: Calibration | None, board_state, store) -> dict:
             if current is None or board_state is None:
                 return {vote_status: "Generate a board first, then upload its votes."}
             try:
                 return recalibrate(current.with_votes(service.read_votes(path, board_state[0])),
-                                   board_state)
+                                   board_state, store)
             except BoardError as exc:
                 return {vote_status: f"**Cannot use the votes:** {text(str(exc))}"}
 
@@ -407,7 +433,7 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                                             for r in rows]),
                     drill_status: ""}
 
-        def from_url(request: gr.Request, progress=gr.Progress()) -> dict:
+        def from_url(store, request: gr.Request, progress=gr.Progress()) -> dict:
             """A shared link: fill the form from the query string and generate."""
             params = dict(request.query_params) if request else {}
             if not any(key in params for key in URL_KEYS):
@@ -420,26 +446,27 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
                     k: max(1, min(k_value, len(service.records))),
                     tabs: gr.update(selected="custom")}
             return {**form, **generate(form[criteria], form[contrast], picked, form[describe],
-                                       k_value, progress)}
+                                       k_value, store, progress)}
 
         boards = dict(concurrency_limit=None, concurrency_id="boards")
         calibration_outputs = [vote_status, vote_pair, response_a, response_b, votes_file,
-                               calibration]
+                               calibration, votes_store]
         board_outputs = [status, board_info, board, board_chart, download, share, versus_group,
                          versus_info, left, right, model, examples, state, *calibration_outputs]
         recalibrated = [board_info, board, board_chart, download, *calibration_outputs]
         for choice, button_of in answers.items():
-            button_of.click(answer(choice), [calibration, state], recalibrated,
+            button_of.click(answer(choice), [calibration, state, votes_store], recalibrated,
                             api_visibility="private", **boards)
-        votes_upload.upload(upload, [votes_upload, calibration, state], recalibrated,
+        votes_upload.upload(upload, [votes_upload, calibration, state, votes_store], recalibrated,
                             api_visibility="private", **boards)
         select_all.click(lambda: topics, outputs=chosen, queue=False, api_visibility="private")
         clear_all.click(lambda: [], outputs=chosen, queue=False, api_visibility="private")
-        button.click(generate, [criteria, contrast, chosen, describe, k], board_outputs,
+        button.click(generate, [criteria, contrast, chosen, describe, k, votes_store], board_outputs,
                      api_visibility="private", show_progress_on=[board], **boards)
         model.change(drill, [model, state], [examples, drill_status], api_visibility="private",
                      **boards)
-        page.load(from_url, None, [criteria, contrast, chosen, describe, k, tabs, *board_outputs],
+        page.load(from_url, votes_store, [criteria, contrast, chosen, describe, k, tabs,
+                                          *board_outputs],
                   api_visibility="private", **boards)
         gr.api(_rank_endpoint(service), api_name="rank", **boards)
     # api_open=False: Gradio's REST routes (/run/..., /api/...) would run a queued handler
@@ -579,11 +606,13 @@ def launch(page: gr.Blocks, host: str, port: int, auth: tuple[str, str] | None =
                            limits.streams_per_address, limits.streams, limits.stream_lifetime,
                            limits.results_per_address, limits.results, limits.result_age,
                            sessions=sessions, upload_bytes=limits.max_upload,
-                           uploads=limits.uploads, upload_folder=get_upload_folder())
+                           uploads=limits.uploads, uploads_per_address=limits.uploads_per_address,
+                           read_timeout=limits.read_timeout)
     server = GradioServer(server_config(
         guarded, read_timeout=limits.read_timeout, keep_alive=limits.keep_alive,
         connections=limits.connections, per_address=limits.per_address,
-        write_timeout=limits.write_timeout, host=host, port=port, log_level="warning",
+        write_timeout=limits.write_timeout, forwarded_allow_ips=limits.forwarded_allow_ips,
+        host=host, port=port, log_level="warning",
         timeout_graceful_shutdown=5), page, gradio_app, limits.file_age, started_at)
     if block:
         try:

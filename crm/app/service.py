@@ -2,6 +2,10 @@
 
 A criteria set is judged over every benchmark pair (all topics), once: topic selection, similarity
 selection and the drill-down only filter those verdicts, so changing topics never calls the model.
+It is judged as crm-leaderboard judges a board of every topic: `slot_sample` of its pairs in both
+orders first (crm.evaluation.slot_bias, the same seeded sample), then every pair in one order or,
+as `both_orders` says (auto: when the verdicts follow the slot), in both; the board carries the
+measurement and the orders, and says so as crm-leaderboard's outputs do.
 Verdicts are cached (crm.app.cache); boards derived from them are memoised. The model and its
 tokenizer run behind a gate: a bounded number of scorings at once and a bounded number waiting;
 one more is refused as busy. A request whose verdicts are cached never touches the gate, so it
@@ -21,12 +25,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from crm.app.cache import VerdictCache, verdict_key
+from crm.app.cache import VerdictCache, Verdicts, verdict_key
 from crm.app.similarity import QueryIndex
 from crm.core.lru import LRU
 from crm.evaluation.leaderboard import (Bootstrap, Outcome, Selection, interval_doc, judge,
                                        kendall_tau, pairs, win_rates)
 from crm.core.records import RecordError
+from crm.evaluation.slot_bias import decide_orders, measure_slot_bias
 from crm.evaluation.suggest import suggest_pairs, suggestion_lines
 from crm.evaluation.votes import read_votes
 
@@ -122,12 +127,14 @@ def version(checkpoint: str | Path, crm_fingerprint: str, bench_fingerprint: str
 class Leaderboards:
     def __init__(self, scorer, selection: Selection, *, crm_fingerprint: str,
                  bench_fingerprint: str, version: str, cache: VerdictCache,
-                 both_orders: bool = False, dtype: str = "float32",
+                 both_orders: bool | str = False, slot_sample: int = 0, dtype: str = "float32",
                  interval: Bootstrap = Bootstrap(), limits: Limits = Limits(),
                  gate: ModelGate | None = None, memo_entries: int = 256):
         self.scorer, self.selection, self.cache = scorer, selection, cache
         self.fingerprints = {"crm": crm_fingerprint, "bench": bench_fingerprint}
+        decide_orders(both_orders, None)  # true, false or auto, checked before any request
         self.version, self.both_orders, self.dtype = version, both_orders, dtype
+        self.slot_sample = slot_sample
         self.interval, self.limits = interval, limits
         self.gate = gate or ModelGate()
         self.records = {r.idx: r for r in selection.records}
@@ -192,7 +199,9 @@ class Leaderboards:
 
     def _fields(self, criteria: tuple[str, ...]) -> dict:
         return {**self.fingerprints, "baseline": self.selection.baseline,
-                "criteria": list(criteria), "both_orders": self.both_orders, "dtype": self.dtype}
+                "criteria": list(criteria), "both_orders": self.both_orders,
+                "slot_sample": self.slot_sample, "slot_seed": self.interval.seed,
+                "dtype": self.dtype}
 
     def is_cached(self, criteria: tuple[str, ...]) -> bool:
         return self.cache.get(self._fields(criteria)) is not None
@@ -200,19 +209,23 @@ class Leaderboards:
     def verdicts(self, criteria: tuple[str, ...], progress: Progress | None = None
                  ) -> list[Outcome]:
         """Every benchmark pair judged under `criteria`: from the cache, or scored now."""
+        return self.judged(criteria, progress).outcomes
+
+    def judged(self, criteria: tuple[str, ...], progress: Progress | None = None) -> Verdicts:
+        """The outcomes, the slot-bias measurement and the orders judged under `criteria`."""
         fields = self._fields(criteria)
-        outcomes = self.cache.get(fields)
-        if outcomes is not None:
-            return outcomes
+        judged = self.cache.get(fields)
+        if judged is not None:
+            return judged
         # The fit check tokenizes: behind the gate too, since a fast tokenizer must not be used
         # by two threads at once ("Already borrowed").
         with self.gate():
-            outcomes = self.cache.get(fields)  # scored while this request waited
-            if outcomes is None:
+            judged = self.cache.get(fields)  # scored while this request waited
+            if judged is None:
                 self._check_fit(criteria)
-                outcomes = self._score(criteria, progress)
-                self.cache.put(fields, outcomes)
-        return outcomes
+                judged = self._score(criteria, progress)
+                self.cache.put(fields, judged)
+        return judged
 
     def _check_fit(self, criteria: tuple[str, ...]) -> None:
         """Tokenize every pair as the scorer will (no model call): criteria so long that some pair
@@ -232,16 +245,22 @@ class Leaderboards:
                              f"{encoder.max_tokens} tokens, even with shortened responses. "
                              "Shorten the criteria.")
 
-    def _score(self, criteria: tuple[str, ...], progress: Progress | None) -> list[Outcome]:
+    def _score(self, criteria: tuple[str, ...], progress: Progress | None) -> Verdicts:
+        # The sample crm-leaderboard measures on a board of every topic (crm.evaluation.leaderboard
+        # .rank): the same pairs, in the same order, from the same seed.
+        bias = (measure_slot_bias(self.scorer, [e for _, _, e in pairs(self.selection, criteria)],
+                                  self.slot_sample, self.interval.seed)
+                if self.slot_sample else None)
+        both = decide_orders(self.both_orders, bias)
         records = self.selection.records
         step = math.ceil(len(records) / PROGRESS_STEPS)
         outcomes = []
         for start in range(0, len(records), step):
             part = replace(self.selection, records=records[start:start + step])
-            outcomes += judge(self.scorer, part, criteria, self.both_orders)
+            outcomes += judge(self.scorer, part, criteria, both)
             if progress:
                 progress(min(start + step, len(records)), len(records))
-        return outcomes
+        return Verdicts(outcomes, bias, both)
 
     # -- boards ----------------------------------------------------------------------------------
 
@@ -252,11 +271,12 @@ class Leaderboards:
         memo = (verdict_key(self._fields(criteria)), choice)
         doc = self.boards.get(memo)
         if doc is None:
-            outcomes = [o for o in self.verdicts(criteria, progress) if o in choice]
+            judged = self.judged(criteria, progress)
+            outcomes = [o for o in judged.outcomes if o in choice]
             doc = {"criteria": list(criteria), "topics": list(choice.topics),
                    "examples": len({o.idx for o in outcomes}), "models": list(self.models),
                    "baseline": self.selection.baseline, "version": self.version,
-                   "both_orders": self.both_orders,
+                   "both_orders": judged.both_orders, "slot_bias": judged.slot_bias,
                    "interval": interval_doc(self.interval, "bootstrap"),
                    "rows": win_rates(outcomes, self.models, choice.topics, self.interval)}
             if choice.idx is not None:

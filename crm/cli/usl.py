@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import MISSING, DictConfig
@@ -45,6 +46,7 @@ class ServeConfig:
     max_body: int = MISSING
     max_upload: int = MISSING
     uploads: int = MISSING
+    uploads_per_address: int = MISSING
     streams: int = MISSING
     streams_per_address: int = MISSING
     stream_lifetime: float = MISSING
@@ -55,10 +57,12 @@ class ServeConfig:
     sessions_per_address: int = MISSING
     session_age: float = MISSING
     file_age: int = MISSING
+    forwarded_allow_ips: str = MISSING  # uvicorn's: whose X-Forwarded-For names the client
 
     def __post_init__(self):
         for key in ("read_timeout", "keep_alive", "connections", "per_address", "write_timeout",
-                    "max_body", "max_upload", "uploads", "streams", "streams_per_address",
+                    "max_body", "max_upload", "uploads", "uploads_per_address", "streams",
+                    "streams_per_address",
                     "stream_lifetime", "results", "results_per_address", "result_age", "sessions",
                     "sessions_per_address", "session_age", "file_age"):
             if getattr(self, key) <= 0:  # a zero limit or timeout would refuse or drop every request
@@ -85,7 +89,8 @@ class UslConfig(ScorerSettings):
     host: str = MISSING
     port: int = MISSING
     auth_env: str | None = MISSING
-    both_orders: bool = MISSING
+    both_orders: Any = MISSING  # true, false or auto (crm-leaderboard's)
+    slot_sample: int = MISSING
     torch_threads: int | None = MISSING
     interval: Bootstrap = field(default_factory=Bootstrap)
     limits: Limits = field(default_factory=Limits)
@@ -108,6 +113,11 @@ def basic_auth(variable: str | None) -> tuple[str, str] | None:
 
 def check_inputs(cfg: UslConfig) -> None:
     """A missing model or benchmark stops the start with what to do about it."""
+    if cfg.both_orders not in (True, False, "auto"):
+        raise ConfigError(f"both_orders={cfg.both_orders}: true, false or auto")
+    if cfg.slot_sample < 0 or (cfg.both_orders == "auto" and not cfg.slot_sample):
+        raise ConfigError(f"slot_sample={cfg.slot_sample}: the pairs judged in both orders to "
+                          "measure slot bias (>= 0; both_orders=auto needs at least 1)")
     if cfg.interval.method not in ("auto", "bootstrap"):
         raise ConfigError(f"interval.method={cfg.interval.method}: the app takes no votes file, so "
                           "its boards' intervals are the bootstrap's (auto or bootstrap)")
@@ -144,7 +154,7 @@ def build_app(cfg: DictConfig):
     service = Leaderboards(
         scorer, selection, crm_fingerprint=crm_id, bench_fingerprint=bench_id,
         version=version(cfg.checkpoint, crm_id, bench_id), both_orders=cfg.both_orders,
-        dtype=dtype, interval=cfg.interval, limits=cfg.limits,
+        slot_sample=cfg.slot_sample, dtype=dtype, interval=cfg.interval, limits=cfg.limits,
         cache=VerdictCache(cfg.cache.dir, cfg.cache.memory_entries, cfg.cache.disk_entries),
         gate=ModelGate(cfg.serve.scoring, cfg.serve.waiting, cfg.serve.wait_timeout))
     started = time.perf_counter()

@@ -45,3 +45,13 @@ def measure_slot_bias(scorer, examples: Sequence, sample: int = SLOT_SAMPLE, see
     return {"pairs": judged, "follow_slot": follows, "rate": round(rate, 4),
             "slot": "B" if counts[LABEL_B] >= counts[LABEL_A] else "A",
             "threshold": FOLLOWS_SLOT, "biased": rate > FOLLOWS_SLOT}
+
+
+def decide_orders(both_orders: bool | str, bias: dict | None) -> bool:
+    """Whether a board is judged in both orders: `both_orders` when true or false; "auto", when
+    the slot-bias measurement (`measure_slot_bias`) says the verdicts follow the slot."""
+    if both_orders == "auto":
+        return bool(bias and bias["biased"])
+    if not isinstance(both_orders, bool):
+        raise ValueError(f"both_orders={both_orders!r}: true, false or auto")
+    return both_orders

@@ -45,18 +45,26 @@ def test_a_stream_ends_at_its_lifetime_with_a_whole_answer_and_frees_its_count()
     assert call(guard, "/gradio_api/heartbeat/abc")[0]["status"] == 200
 
 
-def test_the_upload_route_takes_one_small_file_and_nothing_past_the_files_held(tmp_path):
+def test_the_upload_route_takes_one_small_file_and_a_share_per_address(tmp_path):
+    """One small file a request, in time; past `uploads_per_address` uploaded files held from
+    one address that address waits (429) while another is served, and past `uploads` everyone
+    does, until a file ages out; other files beside them (the page's downloads) never count."""
     reached = []
 
-    async def app(scope, receive, send):
+    async def app(scope, receive, send):  # Gradio's upload route: writes the file, answers its path
         reached.append((await receive())["body"])
+        path = tmp_path / f"{len(reached)}" / "votes.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+        await send({"type": "http.response.body", "body": json.dumps([str(path)]).encode()})
 
-    def upload(guard, body: bytes) -> list:
+    def upload(guard, body: bytes, client="10.0.0.1", stall=False) -> list:
         sent, chunks = [], [body[:100], body[100:]]
 
         async def receive():
+            if stall and not chunks[1:]:
+                await asyncio.sleep(3600)  # the rest of the body never comes
             chunk = chunks.pop(0)
             return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
 
@@ -64,7 +72,7 @@ def test_the_upload_route_takes_one_small_file_and_nothing_past_the_files_held(t
             sent.append(message)
 
         scope = {"type": "http", "method": "POST", "path": "/gradio_api/upload",
-                 "client": ("10.0.0.1", 5), "headers": []}
+                 "client": (client, 5), "headers": []}
         asyncio.run(asyncio.wait_for(guard(scope, receive, send), 10))
         return sent
 
@@ -72,7 +80,11 @@ def test_the_upload_route_takes_one_small_file_and_nothing_past_the_files_held(t
         return (b'--b\r\nContent-Disposition: form-data; name="files"; filename="' + name.encode()
                 + b'"\r\n\r\n' + b"x" * size + b"\r\n")
 
-    guard = ServingGuard(app, upload_bytes=1000, uploads=1, upload_folder=tmp_path)
+    for i in range(5):  # the page's downloads, beside the uploads
+        (tmp_path / f"download{i}.csv").write_bytes(b"x")
+    guard = ServingGuard(app, upload_bytes=1000, uploads=3, uploads_per_address=2,
+                         read_timeout=0.2)
+    guard.upload_grace = 0
     votes = part("votes.jsonl", 900) + b"--b--\r\n"
     assert upload(guard, votes)[0]["status"] == 200 and reached == [votes]  # handed on whole
     two = part("a.txt", 10) + part("b.txt", 10) + b"--b--\r\n"
@@ -80,11 +92,17 @@ def test_the_upload_route_takes_one_small_file_and_nothing_past_the_files_held(t
     for body, message in [(two, b"takes one file"), (big, b"at most 1000 bytes")]:
         sent = upload(guard, body)
         assert sent[0]["status"] == 413 and message in sent[1]["body"]
-    (tmp_path / "held").write_bytes(b"x")  # one file held: the limit
-    (tmp_path / "tmp_empty").write_bytes(b"")  # Gradio's empty leftover does not count
-    sent = upload(guard, votes)
-    assert sent[0]["status"] == 429 and b"1 uploaded files held" in sent[1]["body"]
-    assert len(reached) == 1
+    sent = upload(guard, votes, stall=True)
+    assert sent[0]["status"] == 408 and b"did not arrive within 0.2 s" in sent[1]["body"]
+    assert upload(guard, votes)[0]["status"] == 200
+    sent = upload(guard, votes)  # 10.0.0.1's two held
+    assert sent[0]["status"] == 429 and b"2 from 10.0.0.1, 2 in all" in sent[1]["body"]
+    assert upload(guard, votes, client="10.0.0.2")[0]["status"] == 200
+    sent = upload(guard, votes, client="10.0.0.3")  # three held in all
+    assert sent[0]["status"] == 429 and b"0 from 10.0.0.3, 3 in all" in sent[1]["body"]
+    (tmp_path / "1" / "votes.jsonl").unlink()  # aged out
+    assert upload(guard, votes)[0]["status"] == 200
+    assert len(reached) == 4
     sent = call(guard, "/gradio_api/upload_progress")
     assert sent[0]["status"] == 404
 

@@ -14,7 +14,7 @@ from urllib.parse import parse_qs
 import pytest
 from scorers import export_tiny, tiny_scorer
 
-from crm.app.cache import VerdictCache, crm_fingerprint, file_digest, verdict_key
+from crm.app.cache import VerdictCache, Verdicts, crm_fingerprint, file_digest, verdict_key
 from crm.core.lru import LRU
 from crm.app.service import BoardError, Busy, Leaderboards, Limits, ModelGate
 from crm.app.similarity import QueryIndex
@@ -134,6 +134,24 @@ def test_the_board_equals_crm_leaderboard_arithmetic(tmp_path):
     assert doc["interval"] == reference["interval"]
 
 
+def test_the_board_measures_slot_bias_and_judges_as_crm_leaderboard(tmp_path):
+    """both_orders=auto and the slot sample as crm-leaderboard's defaults: the same measurement,
+    the same orders, the same rows (the random tiny CRM follows the slot)."""
+    from crm.app.page import info, text
+    from crm.evaluation.render import slot_note
+
+    lb = service(tmp_path, both_orders="auto", slot_sample=64)
+    doc = lb.board(("be brief",), lb.choose(None))
+    reference = leaderboard(tiny_scorer(), select(tmp_path / "bench.jsonl", "base"), ("be brief",),
+                            both_orders="auto", slot_sample=64)["boards"][0]
+    assert doc["slot_bias"]["biased"] and doc["both_orders"] is True
+    assert doc["slot_bias"] == reference["slot_bias"] and doc["rows"] == reference["rows"]
+    assert reference["both_orders"] is True
+    assert slot_note(doc).startswith("Slot bias") and text(slot_note(doc)) in info(doc)
+    again = service(tmp_path, both_orders="auto", slot_sample=64)  # from the disk cache
+    assert again.board(("be brief",), again.choose(None)) == doc and scored(again) == 0
+
+
 def test_contrast_gives_two_boards_and_their_kendall_tau(tmp_path):
     lb = service(tmp_path)
     versus = lb.contrast(("be brief",), ("be detailed",), lb.choose(None))
@@ -185,7 +203,9 @@ def test_crm_fingerprint_follows_the_files(tmp_path):
 
 
 def test_verdict_cache_memory_lru_disk_bound_and_damage(tmp_path, caplog):
-    outcomes = [Outcome("m1", "t", "win", 0.75, "q0", 0.05), Outcome("m2", "t", "loss", 0.25, "q0")]
+    outcomes = Verdicts([Outcome("m1", "t", "win", 0.75, "q0", 0.05),
+                         Outcome("m2", "t", "loss", 0.25, "q0")],
+                        {"pairs": 2, "follow_slot": 2, "rate": 1.0, "slot": "B", "biased": True}, True)
     fields = [{"crm": "a", "criteria": [f"c{i}"]} for i in range(3)]
     cache = VerdictCache(tmp_path / "v", memory_entries=1, disk_entries=2)
     for f in fields:

@@ -40,6 +40,7 @@ CRITERIA = [TRAIN_WORDINGS["concise"][0], TRAIN_WORDINGS["prose"][1]]
 READ_TIMEOUT = 2  # serve.read_timeout of the served app: a stalled connection's deadline
 WRITE_TIMEOUT = 2  # serve.write_timeout: how long an answer waits for a client that never reads
 RESULT_AGE = 3  # serve.result_age: how long an API result waits to be read
+UPLOADS, UPLOADS_PER_ADDRESS = 6, 2  # serve.uploads, serve.uploads_per_address
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -76,7 +77,8 @@ def app(tmp_path_factory):
              f"bench={bench}", f"baseline={BENCH_BASELINE}", f"port={urlsplit(url).port}",
              f"cache.dir={root / 'cache'}", f"hydra.run.dir={root / 'run'}",
              f"serve.read_timeout={READ_TIMEOUT}", f"serve.write_timeout={WRITE_TIMEOUT}",
-             f"serve.result_age={RESULT_AGE}"],
+             f"serve.result_age={RESULT_AGE}", f"serve.uploads={UPLOADS}",
+             f"serve.uploads_per_address={UPLOADS_PER_ADDRESS}"],
             stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in temp.items()}})
     wait_for_server(url, proc, log)
@@ -103,27 +105,35 @@ def client(app):
 
 
 def test_the_api_equals_crm_leaderboard(app, client, tmp_path):
+    """The app judges as crm-leaderboard with its defaults: the same slot-bias measurement, the
+    same orders, the same warning and the same rows (every topic: the sample is drawn from the
+    board's pairs)."""
     from crm.cli.leaderboard import run
+    from crm.evaluation.render import slot_note
 
-    doc = client.predict("\n".join(CRITERIA), app["topics"], api_name="/rank")
-    assert set(doc) >= {"criteria", "topics", "examples", "models", "baseline", "version", "rows"}
+    doc = client.predict("\n".join(CRITERIA), [], api_name="/rank")
+    assert set(doc) >= {"criteria", "topics", "examples", "models", "baseline", "version", "rows",
+                        "slot_bias", "both_orders"}
     assert doc["criteria"] == CRITERIA and doc["baseline"] == BENCH_BASELINE
-    assert sorted(doc["models"]) == MODELS and sorted(doc["topics"]) == sorted(app["topics"])
+    assert sorted(doc["models"]) == MODELS and doc["topics"] == app["all_topics"]
     assert f"{app['export'].parent.name}/{app['export'].name}" in doc["version"]
 
     reference = run_cli("leaderboard", run, [
         f"checkpoint={app['export']}", f"bench={app['bench']}", f"baseline={BENCH_BASELINE}",
-        f"criteria={json.dumps(CRITERIA)}", f"topics={json.dumps(app['topics'])}",
-        "progress=false", "both_orders=false"], tmp_path / "leaderboard")  # the app's one order
-    rows = reference["boards"][0]["rows"]
+        f"criteria={json.dumps(CRITERIA)}", "progress=false"], tmp_path / "leaderboard")
+    board = reference["boards"][0]
     assert doc["examples"] == reference["examples"]["used"]
+    assert doc["slot_bias"] == board["slot_bias"] and doc["slot_bias"]["pairs"] > 0
+    assert doc["both_orders"] == board["both_orders"]
+    assert slot_note(doc) == slot_note(board)
 
     def rates(row):
         cells = {"overall": row["overall"], **row["topics"]}
         return {k: (c["win_rate"], c["ci_low"], c["ci_high"], c["n"]) for k, c in cells.items()}
 
-    assert {r["model"]: rates(r) for r in doc["rows"]} == {r["model"]: rates(r) for r in rows}
-    assert [r["rank_ub"] for r in doc["rows"]] == [r["rank_ub"] for r in rows]
+    assert {r["model"]: rates(r) for r in doc["rows"]} == {r["model"]: rates(r)
+                                                           for r in board["rows"]}
+    assert [r["rank_ub"] for r in doc["rows"]] == [r["rank_ub"] for r in board["rows"]]
 
 
 def test_the_api_ranks_on_every_topic_when_given_none(app, client):
@@ -300,21 +310,70 @@ def test_the_page_calibrates_the_board_with_your_votes(app, page, tmp_path):
     rows = body_rows(page, "#board")
     assert sum(int(r[6]) for r in rows) == 20 and {r[3] for r in rows} == set(MODELS)
 
-    with page.expect_download() as download:
-        page.locator("#votes-download").click()
     saved = tmp_path / "votes.jsonl"
-    saved.write_bytes(Path(download.value.path()).read_bytes())
+    saved.write_bytes(votes_download(page).read_bytes())
     lines = [json.loads(x) for x in saved.read_text().splitlines()]
     assert len(lines) == 20 and sum(x["verdict"] == "tie" for x in lines) == 5
     assert len(read_votes(saved, select(app["bench"], BENCH_BASELINE)).used) == 20
 
-    generate(page, expect)  # a fresh board starts without votes; the file brings them back
-    expect(page.locator("#vote-status")).to_contain_text("No votes yet")
-    with page.expect_file_chooser() as chooser:
-        page.locator("#votes-upload").click()
+    # another browser (its own storage) starts without votes; the file brings them back
+    other = page.context.browser.new_context(viewport={"width": 1280, "height": 900})
+    fresh = other.new_page()
+    fresh.goto(app["url"])
+    fresh.get_by_role("tab", name="Customizable leaderboard").click()
+    fresh.locator("#criteria textarea").fill("\n".join(CRITERIA))
+    generate(fresh, expect)
+    fresh.get_by_text("Calibrate with your votes").click()
+    expect(fresh.locator("#vote-status")).to_contain_text("No votes yet")
+    with fresh.expect_file_chooser() as chooser:
+        fresh.locator("#votes-upload").click()
     chooser.value.set_files(str(saved))
-    expect(page.locator("#vote-status")).to_contain_text("20 votes, 0 pairs answered")
-    assert body_rows(page, "#board") == rows
+    expect(fresh.locator("#vote-status")).to_contain_text("20 votes, 0 pairs answered")
+    assert body_rows(fresh, "#board") == rows
+    other.close()
+
+
+def votes_download(page) -> Path:
+    with page.expect_download() as download:
+        page.locator("#votes-download").click()
+    return Path(download.value.path())
+
+
+def test_the_page_keeps_your_votes_across_boards_and_reloads(app, page):
+    """10 votes; the same board generated again, then the page reloaded (a new session, as
+    after the server forgot an idle one): the 10 are still there, on the board and in the
+    download. They are kept per criteria set: a board under other criteria has none."""
+    from playwright.sync_api import expect
+
+    mine = "I like answers that get to the point."  # this test's own criteria set
+
+    def open_board(criteria: str) -> None:
+        page.get_by_role("tab", name="Customizable leaderboard").click()
+        page.locator("#criteria textarea").fill(criteria)
+        page.locator("#generate").click()
+
+    page.goto(app["url"])
+    open_board(mine)
+    expect(page.locator("#board-info")).to_contain_text("# Examples")
+    page.get_by_text("Calibrate with your votes").click()
+    for answered, choice in enumerate(["a", "b", "tie", "a", "b"] * 2, start=1):
+        page.locator(f"#vote-{choice}").click()
+        expect(page.locator("#vote-status")).to_contain_text(f"{answered} pairs answered")
+    voted = {(v["idx"], v["model"], v["verdict"])
+             for v in map(json.loads, votes_download(page).read_text().splitlines())}
+    assert len(voted) == 10
+
+    kept = "10 votes kept from before under these criteria, 10 pairs answered"
+    page.locator("#generate").click()  # the same board again
+    expect(page.locator("#vote-status")).to_contain_text(kept)
+    open_board("I like answers with a list of steps.")  # other criteria: none of these votes
+    expect(page.locator("#vote-status")).to_contain_text("No votes yet")
+    page.reload()
+    open_board(mine)
+    page.get_by_text("Calibrate with your votes").click()
+    expect(page.locator("#vote-status")).to_contain_text(kept)
+    assert {(v["idx"], v["model"], v["verdict"])
+            for v in map(json.loads, votes_download(page).read_text().splitlines())} == voted
 
 
 def test_the_page_contrast_and_similarity(app, page):
@@ -426,20 +485,53 @@ def connect_from(url: str, source: str) -> socket.socket:
 
 
 def test_stalled_connections_are_closed_within_the_read_timeout(app):
-    """A part of a head, or a head and part of a body, then nothing: the server closes each
-    within serve.read_timeout (the second after a 408)."""
+    """A part of a head, or a head and part of a body (an API call's, an upload's), then
+    nothing: the server closes each within serve.read_timeout (the second after a 408)."""
     netloc = urlsplit(app["url"]).netloc
     head = f"POST /gradio_api/call/rank HTTP/1.1\r\nHost: {netloc}\r\n".encode()
+    upload = (f"POST /gradio_api/upload HTTP/1.1\r\nHost: {netloc}\r\nContent-Type: "
+              "multipart/form-data; boundary=b\r\nContent-Length: 300\r\n\r\n--b\r\n").encode()
     results = []
     t0 = time.perf_counter()
     threads = [threading.Thread(target=lambda data=data: results.append(raw_request(app["url"], data)))
-               for data in [head] * 10 + [head + b"Content-Length: 100\r\n\r\n{"] * 10]
+               for data in [head] * 10 + [head + b"Content-Length: 100\r\n\r\n{"] * 10
+               + [upload] * 5]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=READ_TIMEOUT + 15)
-    assert len(results) == 20 and time.perf_counter() - t0 < READ_TIMEOUT + 8
-    assert sorted(r[:12] for r in results) == [b""] * 10 + [b"HTTP/1.1 408"] * 10
+    assert len(results) == 25 and time.perf_counter() - t0 < READ_TIMEOUT + 8
+    assert sorted(r[:12] for r in results) == [b""] * 10 + [b"HTTP/1.1 408"] * 15
+
+
+def test_uploads_are_held_per_address_and_the_pages_downloads_never_count(app):
+    """More files than serve.uploads in Gradio's folder, as the page's downloads leave them:
+    an upload is still taken. serve.uploads_per_address from one client address, as a reverse
+    proxy on 127.0.0.1 names it (X-Forwarded-For): its next gets a one-line 429 while another
+    address uploads."""
+    downloads = [app["root"] / "gradio" / f"download-{i}" / "leaderboard.csv"
+                 for i in range(UPLOADS + 1)]
+    for path in downloads:
+        path.parent.mkdir()
+        path.write_text("Rank,Model\n")
+
+    def post(address: str, n: int) -> httpx.Response:
+        vote = json.dumps({"idx": "x", "model": "y", "verdict": "win", "n": n}) + "\n"
+        return httpx.post(f"{app['url']}/gradio_api/upload", timeout=30,
+                          headers={"X-Forwarded-For": address},
+                          files={"files": ("votes.jsonl", vote.encode(), "application/json")})
+
+    try:
+        assert [post("10.9.0.1", n).status_code for n in range(UPLOADS_PER_ADDRESS)] == [
+            200] * UPLOADS_PER_ADDRESS
+        refused = post("10.9.0.1", UPLOADS_PER_ADDRESS)
+        assert refused.status_code == 429
+        assert f"{UPLOADS_PER_ADDRESS} from 10.9.0.1" in refused.json()["detail"]
+        assert post("10.9.0.2", 0).status_code == 200
+    finally:
+        for path in downloads:
+            path.unlink()
+            path.parent.rmdir()
 
 
 def test_one_address_holds_a_share_of_connections_and_streams(app):
@@ -514,9 +606,9 @@ def page_call(url: str, api_name: str, data: list) -> str:
 
 
 @pytest.mark.parametrize("api_name, data, message", [
-    ("generate", ["be brief", "", 5, "", 5], "an input this page cannot read"),
-    ("generate", ["be brief", "", [], "cooking", "abc"], "an input this page cannot read"),
-    ("generate", [7, "", [], "", 5], "Cannot rank:** No topic selected"),
+    ("generate", ["be brief", "", 5, "", 5, {}], "an input this page cannot read"),
+    ("generate", ["be brief", "", [], "cooking", "abc", {}], "an input this page cannot read"),
+    ("generate", [7, "", [], "", 5, {}], "Cannot rank:** No topic selected"),
     ("drill", [["x"], None], "is not in the list of choices"),
 ], ids=["topics-number", "k-text", "criteria-number", "model-list"])
 def test_the_pages_own_handlers_answer_wrong_types_in_one_line(app, api_name, data, message):
