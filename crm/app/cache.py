@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from crm.core.files import write_json
+from crm.core.files import file_digest, write_json
 from crm.core.lru import LRU
 from crm.evaluation.leaderboard import Outcome
 
@@ -33,11 +33,6 @@ class Verdicts(NamedTuple):
     outcomes: list[Outcome]
     slot_bias: dict | None = None
     both_orders: bool = False
-
-
-def file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def crm_files(checkpoint: str | Path) -> list[Path]:

@@ -136,9 +136,10 @@ def build_app(cfg: DictConfig):
     check_inputs(cfg)
     import torch  # after the checks: a refusal answers before torch and Gradio load
 
-    from crm.app.cache import VerdictCache, crm_fingerprint, file_digest
+    from crm.app.cache import VerdictCache, crm_fingerprint
     from crm.app.page import build, default_board
     from crm.app.service import Leaderboards, ModelGate, version
+    from crm.core.files import file_digest
     from crm.evaluation.leaderboard import select
 
     if cfg.torch_threads:

@@ -10,6 +10,12 @@ from pathlib import Path
 from crm.core.errors import ConfigError
 
 
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, hex."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def write_json(path: str | Path, obj) -> Path:
     """`obj` as indented UTF-8 JSON at `path`, via a temporary file: a reader (another rank, a
     resumed job, a user) never sees half a document."""

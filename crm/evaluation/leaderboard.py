@@ -31,6 +31,7 @@ import numpy as np
 
 from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, PairExample, verdict
+from crm.core.files import file_digest
 from crm.core.records import BenchRecord, RecordError, read_lines
 from crm.evaluation.ppi import (MIN_VOTES, CellData, Estimate, ppi_pooled, ppi_separate,
                                 rank_sets)
@@ -73,13 +74,7 @@ class Selection:
 
 def bench_fingerprint(path: str | Path) -> str:
     """A benchmark file's identity wherever it lies: the start of its bytes' SHA-256."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()[:16]
+    return "sha256:" + file_digest(path)[:16]
 
 
 def select(path: str | Path, baseline: str, topics: Sequence[str] | None = None,

@@ -14,10 +14,11 @@ from urllib.parse import parse_qs
 import pytest
 from scorers import export_tiny, tiny_scorer
 
-from crm.app.cache import VerdictCache, Verdicts, crm_fingerprint, file_digest, verdict_key
+from crm.app.cache import VerdictCache, Verdicts, crm_fingerprint, verdict_key
 from crm.core.lru import LRU
 from crm.app.service import BoardError, Busy, Leaderboards, Limits, ModelGate
 from crm.app.similarity import QueryIndex
+from crm.core.files import file_digest
 from crm.evaluation.leaderboard import Bootstrap, Outcome, leaderboard, select
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -482,3 +483,25 @@ def test_crm_usl_serves_the_demo_by_default_and_says_how_to_make_it(tmp_path, mo
         basic_auth("USL_TEST_AUTH")
     monkeypatch.setenv("USL_TEST_AUTH", "")
     assert basic_auth("USL_TEST_AUTH") is None
+
+
+def test_an_upload_of_votes_for_other_criteria_or_another_bench_is_refused(tmp_path):
+    """The page's votes carry their board: uploaded on a board under other criteria, or over
+    another benchmark, they are refused in one line naming both; on their own board, kept."""
+    from crm.app.calibrate import votes_text
+
+    lb = service(tmp_path)
+    brief, long = ("be brief",), ("be long",)
+    lines = lb.suggestions(brief, lb.choose(["travel"]), 3)
+    assert len(lines) == 3 and {line["model"] for line in lines} == {"m1", "m2", "m3"}
+    votes = {(line["idx"], line["model"]): "win" for line in lines}
+    path = tmp_path / "votes.jsonl"
+    path.write_text(votes_text(votes, brief, lb.selection.fingerprint))
+    assert lb.read_votes(str(path), brief) == votes
+    with pytest.raises(BoardError, match=r"line:1: criteria: this vote was given under the "
+                       r"criteria \['be brief'\]; this board's are \['be long'\]"):
+        lb.read_votes(str(path), long)
+    path.write_text(votes_text(votes, brief, "sha256:0000000000000000"))
+    with pytest.raises(BoardError, match="given on the benchmark 'sha256:0000000000000000'; this "
+                                         "board's .*bench.jsonl is 'sha256:"):
+        lb.read_votes(str(path), brief)
