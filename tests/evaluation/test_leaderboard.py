@@ -21,6 +21,7 @@ from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE
                                        kendall_tau, leaderboard, rank_upper_bounds, select,
                                        win_rates)
 from crm.evaluation.render import interval, markdown, plot, slope_positions
+from crm.evaluation.votes import Votes
 from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_B
 
@@ -416,6 +417,13 @@ def test_a_board_leaves_out_a_query_too_long_to_fit_for_every_model_and_counts_i
     assert [r["overall"]["n"] for r in board["rows"]] == [1, 1]
     assert ("1 queries left out for every model: 1 pairs cannot fit the CRM's tokens (first: 0/m2)"
             in markdown(doc))
+    # votes on the left-out query never reach the estimator: counted apart, not as used
+    votes = Votes("votes.jsonl", {("0", "m1"): "win", ("1", "m1"): "loss", ("1", "m2"): "win"})
+    voted = leaderboard(scorer, select(path, "base"), ["concise answer"], votes=votes)
+    assert voted["votes"] == {"file": "votes.jsonl", "read": 3, "used": 2, "outside_topics": 0,
+                              "on_rejected_lines": 0, "unscorable": 1}
+    assert "Votes: 2 used of 3 read" in markdown(voted)
+    assert "1 on pairs the CRM could not score" in markdown(voted)
     # counts in = counts out: the header's used is the rows' n, the left-out query counted beside
     counts = doc["examples"]
     assert counts == {"read": 2, "used": 1, "left_out": 1, "rejected": 0, "outside_topics": 0}
