@@ -158,10 +158,11 @@ def run(composed: DictConfig) -> dict:
     if cfg.suggest_votes.strategy == "active" and votes is not None:
         raise ConfigError("suggest_votes.strategy=active draws the whole batch at once: with "
                           "votes= given, continue with suggest_votes.strategy=uniform")
-    # One checkpoint's board is not replaced by another's (crm-eval refuses its case the same way).
-    refuse_replacing(run_dir / "leaderboard.json", board_inputs(str(cfg.checkpoint), cfg.bench),
-                     lambda before: board_inputs(before.get("model"), before.get("bench")),
-                     f"give this board its own name= (name={cfg.name} is taken)")
+    # A name holds one board: another checkpoint's, benchmark's or criteria's is refused, so that
+    # its files (suggested_votes.jsonl among them) never sit beside this one's.
+    refuse_replacing(run_dir / "leaderboard.json",
+                     board_inputs(str(cfg.checkpoint), cfg.bench, selection, criteria, contrast),
+                     earlier_board, f"give this board its own name= (name={cfg.name} is taken)")
     save_run_record(composed)
     scorer = load_scorer(cfg, run_dir)
     judgments: list[dict] = []
@@ -207,8 +208,20 @@ def write_judgments(path: Path, lines: list[dict], name: str) -> None:
                           f"its own name= (name={name})") from None
 
 
-def board_inputs(checkpoint, bench) -> dict:
-    return {"checkpoint": checkpoint, "bench": bench}
+def board_inputs(checkpoint: str, bench: str, selection, criteria: list[str],
+                 contrast: list[str]) -> dict:
+    """What makes a board this board: leaderboard.json's record of them (`earlier_board`)."""
+    return {"checkpoint": checkpoint, "bench": bench, "baseline": selection.baseline,
+            "topics": list(selection.topics), "models": list(selection.models),
+            "criteria": list(criteria), "contrast": list(contrast) or None}
+
+
+def earlier_board(doc: dict) -> dict:
+    boards = doc.get("boards") or [{}]
+    return {"checkpoint": doc.get("model"), "bench": doc.get("bench"),
+            "baseline": doc.get("baseline"), "topics": doc.get("topics"),
+            "models": doc.get("models"), "criteria": boards[0].get("criteria"),
+            "contrast": boards[1].get("criteria") if len(boards) > 1 else None}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://crm_configs", config_name="leaderboard")

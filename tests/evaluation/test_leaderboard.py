@@ -551,7 +551,9 @@ def test_a_judgments_file_that_cannot_be_written_replaces_no_output(tmp_path, ca
     run_dir = tmp_path / "run"
     (run_dir / "judgments.jsonl").mkdir(parents=True)
     (run_dir / "judgments.jsonl" / "notes.txt").write_text("mine")
-    earlier = json.dumps({"model": str(export), "bench": str(bench)})
+    earlier = json.dumps({"model": str(export), "bench": str(bench), "baseline": "base",
+                          "topics": ["t1", "t2"], "models": ["m1", "m2", "m3"],
+                          "boards": [{"criteria": ["concise answer"]}]})
     (run_dir / "leaderboard.json").write_text(earlier)
     capsys.readouterr()  # the export's progress bar
     line = refused(capsys, monkeypatch, main, "crm-leaderboard", f"checkpoint={export}",
@@ -583,6 +585,10 @@ def test_default_mode_ranks_under_the_generic_criterion(tmp_path):
     result = run_cli("leaderboard", run, [*common, "default=true"], tmp_path / "run")
     assert result["boards"][0]["criteria"] == list(DEFAULT_CRITERIA)
     assert result["boards"][0]["label"] == "default"
+    # a name holds one board: under other criteria it is refused before any model loads
+    with pytest.raises(ValueError, match=r"holds the results of criteria=\[General user "
+                       r"preference\] \(this run: criteria=\[x\]\): give this board its own name="):
+        run_cli("leaderboard", run, [*common, "criteria=[x]"], tmp_path / "run")
     with pytest.raises(ValueError, match="give criteria=\\[...\\] or default=true, not both"):
         run_cli("leaderboard", run, [*common, "default=true", "criteria=[x]"], tmp_path / "run")
     with pytest.raises(ValueError, match="no criteria"):
