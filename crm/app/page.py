@@ -171,9 +171,9 @@ def info(doc: dict) -> str:
 
 def trust(doc: dict) -> str:
     """What the board's intervals rest on, in a few words."""
-    if doc["interval"]["method"] != "ppi":
-        return "the intervals assume the CRM's verdict is yours"
     notes = [r["overall"]["interval_note"] for r in doc["rows"] if "interval_note" in r["overall"]]
+    if doc["interval"]["method"] != "ppi":
+        return text(notes[0]) if notes else "the intervals assume the CRM's verdict is yours"
     used = doc["votes"]["used"]
     return (f"prediction-powered intervals from {used} of your votes"
             + (f" ({text(notes[0])})" if notes else ", with the CRM's error"))

@@ -28,8 +28,8 @@ from pathlib import Path
 from crm.app.cache import VerdictCache, Verdicts, verdict_key
 from crm.app.similarity import QueryIndex
 from crm.core.lru import LRU
-from crm.evaluation.leaderboard import (Bootstrap, Outcome, Selection, interval_doc, judge,
-                                       kendall_tau, pairs, win_rates)
+from crm.evaluation.leaderboard import (Bootstrap, Outcome, Selection, board_method,
+                                       interval_doc, judge, kendall_tau, pairs, win_rates)
 from crm.core.records import RecordError
 from crm.evaluation.slot_bias import decide_orders, measure_slot_bias
 from crm.evaluation.suggest import suggest_pairs, suggestion_lines
@@ -295,7 +295,7 @@ class Leaderboards:
         used = {k: v for k, v in votes.items() if k in judged}
         spec = replace(self.interval, method="ppi")
         doc.update(rows=win_rates(outcomes, self.models, choice.topics, spec, used),
-                   interval=interval_doc(spec, "ppi"),
+                   interval=interval_doc(spec, board_method(spec, used, outcomes)),
                    votes={"used": len(used), "outside_choice": len(votes) - len(used)})
         return doc
 

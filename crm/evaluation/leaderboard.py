@@ -33,7 +33,7 @@ from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_A, LABEL_B, LABEL_TIE, PairExample, verdict
 from crm.core.files import file_digest
 from crm.core.records import BenchRecord, RecordError, read_lines
-from crm.evaluation.ppi import (MIN_VOTES, CellData, Estimate, ppi_pooled, ppi_separate,
+from crm.evaluation.ppi import (MIN_VOTES, CellData, Estimate, ppi_separate, ppi_topics,
                                 rank_sets)
 from crm.evaluation.slot_bias import measure_slot_bias
 
@@ -248,6 +248,15 @@ def interval_doc(spec: Bootstrap, method: str) -> dict:
             "assumes": PPI_ASSUMES if method == "ppi" else CRM_IS_USER}
 
 
+def board_method(spec: Bootstrap, votes, outcomes: Iterable[Outcome]) -> str:
+    """The method a board's intervals use: `interval_method`'s, except that until PPI has
+    MIN_VOTES votes on the judged pairs the bootstrap's stay (and each cell says so)."""
+    method = interval_method(spec, votes)
+    if method == "ppi" and sum((o.idx, o.model) in votes for o in outcomes) < MIN_VOTES:
+        return "bootstrap"
+    return method
+
+
 def interval_method(spec: Bootstrap, votes) -> str:
     """The method `spec` asks for, given whether votes were given (None: not given)."""
     if spec.method not in INTERVAL_METHODS:
@@ -325,7 +334,8 @@ def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequen
     rank upper bound, rank_set [best, worst] the ranks the model can hold given simultaneous
     intervals.
     """
-    method = interval_method(interval, votes)
+    outcomes = list(outcomes)
+    method = board_method(interval, votes, outcomes)
     by_model = defaultdict(list)
     for o in outcomes:
         by_model[o.model].append(o)
@@ -343,6 +353,8 @@ def win_rates(outcomes: Iterable[Outcome], models: Sequence[str], topics: Sequen
     overall = [r["overall"] for r in rows]
     if method == "bootstrap":
         simultaneous = _bootstrap(cells, parts, interval, overall)
+        if votes:
+            _too_few_votes(cells, parts, votes, overall)
     else:
         simultaneous = _ppi(cells, parts, interval, votes, weights or {}, overall)
     sets = rank_sets([span or (0.0, 1.0) for span in simultaneous])
@@ -374,9 +386,22 @@ def _bootstrap(cells, parts, interval: Bootstrap, overall) -> list:
     return bootstrap_intervals([samples[i] for i in index], wide)
 
 
+def _too_few_votes(cells, parts, votes, overall) -> None:
+    """Each cell's votes, and why its interval is still the bootstrap's."""
+    counts = [sum((o.idx, o.model) in votes for o in part) for part in parts]
+    heads = {id(c) for c in overall}
+    total = sum(n for cell, n in zip(cells, counts) if id(cell) in heads)
+    for cell, n in zip(cells, counts):
+        cell["votes"] = n
+        if cell["n"]:
+            cell["interval_note"] = (f"bootstrap interval (the CRM taken as the user) until PPI "
+                                     f"has {MIN_VOTES} votes: {total} so far")
+
+
 def _ppi(cells, parts, interval: Bootstrap, votes, weights, overall) -> list:
     """Each cell's win rate and interval by PPI (crm.evaluation.ppi): the Overall cells each
-    valid for its model (`ppi_separate`), the (model, topic) cells pooled (`ppi_pooled`)."""
+    valid for its model (`ppi_separate`), its topic cells nested in it (`ppi_topics`). `cells`
+    and `parts` go model by model, the Overall cell then its topics'."""
     def predicted(o: Outcome) -> float:
         return o.p_win + interval.tie_value * o.p_tie
 
@@ -386,31 +411,30 @@ def _ppi(cells, parts, interval: Bootstrap, votes, weights, overall) -> list:
         data.append(CellData([predicted(o) for o in part], [predicted(o) for o in voted],
                              [interval.value(votes[o.idx, o.model]) for o in voted],
                              [weights.get((o.idx, o.model), 1.0) for o in voted]))
-    is_overall = {id(c) for c in overall}
-    groups = [[i for i, c in enumerate(cells) if id(c) in is_overall],
-              [i for i, c in enumerate(cells) if id(c) not in is_overall]]
-    estimates: dict[int, Estimate | None] = {}
-    group_votes: dict[int, int] = {}
-    for group, estimator in zip(groups, (ppi_separate, ppi_pooled)):
-        estimates.update(zip(group, estimator([data[i] for i in group])))
-        group_votes.update(dict.fromkeys(group, sum(len(data[i].votes) for i in group)))
+    per_model = len(cells) // len(overall)  # the Overall cell and its topics'
+    heads = list(range(0, len(cells), per_model))
+    estimates: dict[int, Estimate | None] = dict(zip(heads, ppi_separate([data[i] for i in heads])))
+    nested = ppi_topics([data[i] for i in heads],
+                        [[data[i] for i in range(h + 1, h + per_model)] for h in heads])
+    for h, row in zip(heads, nested):
+        estimates.update(zip(range(h + 1, h + per_model), row))
     for i, cell in enumerate(cells):
         cell["votes"] = len(data[i].votes)
         cell["crm_win_rate"] = cell["win_rate"]
         estimate = estimates[i]
         if estimate is None:
-            if cell["n"] and group_votes[i] < MIN_VOTES:
-                cell["interval_note"] = (f"no interval: {group_votes[i]} votes where PPI needs "
-                                         f"{MIN_VOTES} (the CRM's win rate shown)")
-            elif cell["n"]:
+            if cell["n"]:
                 cell["interval_note"] = ("no interval: no vote on this model, and its interval "
                                          "borrows none (the CRM's win rate shown)")
             continue
+        if i not in heads and not cell["votes"]:
+            cell["interval_note"] = ("no vote in this topic: the CRM's rate corrected by its "
+                                     "model's votes, as its Overall is")
         low, high = estimate.interval(interval.level)
         cell["win_rate"] = round(estimate.win_rate, 4)
         cell["ci_low"], cell["ci_high"] = round(low, 4), round(high, 4)
     wide = _simultaneous_level(interval.level, len(overall))
-    return [None if estimates[i] is None else estimates[i].interval(wide) for i in groups[0]]
+    return [None if estimates[i] is None else estimates[i].interval(wide) for i in heads]
 
 
 def kendall_tau(rows_a: list[dict], rows_b: list[dict]) -> dict:
@@ -486,7 +510,7 @@ def rank(scorer, selection: Selection, criteria: Sequence[str], label: str = "cr
     return Board(label, tuple(criteria),
                  win_rates(outcomes, selection.models, selection.topics, interval, votes,
                            weights),
-                 interval_method(interval, votes), both_orders, bias, unscorable,
+                 board_method(interval, votes, outcomes), both_orders, bias, unscorable,
                  len(selection.records) - (unscorable["queries"] if unscorable else 0), outcomes)
 
 

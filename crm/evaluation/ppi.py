@@ -25,13 +25,18 @@ inverse inclusion probability, crm.evaluation.suggest; 1 for a uniform sample).
   on the others; Bonferroni over the M models (level 1 - alpha / M) makes the rank sets hold
   together (tests/evaluation/test_ppi.py: the Monte Carlo). Pooling the variance alone only
   floors a cell whose few votes happen to agree with the CRM.
-- `ppi_pooled` (topic cells, mostly 0-2 votes each): the rectifiers are pooled by empirical Bayes
-  (Morris 1983), their spread across cells tau^2 taken at its upper 95% confidence bound (the
-  Q-profile, Viechtbauer 2007) and each shrunk toward the group's precision-weighted mean by
-  B_c = (s^2 / n_c) / (s^2 / n_c + tau^2); variance (1 - B_c) s^2 / n_c + B_c^2 / sum_c w_c, w_c
-  = 1 / (s^2 / n_c + tau^2) (tau^2 + 1 / sum_c w_c for a cell without votes). These intervals
-  hold on average over a board's cells (the empirical-Bayes guarantee), not cell by cell: a cell
-  of a handful of votes has no per-cell interval worth reading.
+- `ppi_topics` ((model, topic) cells, mostly 0-2 votes each), nested in their model's Overall
+  cell so that they add up: a topic cell's rectifier is its model's d_m plus the topic's
+  deviation from it, the deviations pooled by empirical Bayes (Morris 1983) across the board's
+  topic cells: their spread tau^2 at its upper 95% confidence bound (the Q-profile, Viechtbauer
+  2007), each shrunk toward 0 by B_c = (s^2 / n_c) / (s^2 / n_c + tau^2) (a cell without votes:
+  0), then centred so that the model's cells, weighted by their pairs, average to its Overall.
+  Variance: the Overall's plus (1 - B_c) s^2 / n_c (tau^2 without votes). These intervals hold
+  on average over a board's cells (the empirical-Bayes guarantee), not cell by cell: a cell of
+  a handful of votes has no per-cell interval worth reading.
+- `ppi_pooled`: every cell's rectifier pooled by empirical Bayes toward the group's mean (the
+  same Q-profile bound); valid on average over the cells. benchmarks/usl_coverage.py compares
+  the Overall intervals with it at the true tau^2 (`spread`): the most pooling could lend.
 - No finite-population correction (it would narrow an interval by sqrt(1 - n_c / N_c)).
 
 Assumption: within each model, the votes are a random sample of its pairs: uniform, or drawn
@@ -149,6 +154,61 @@ def ppi_separate(cells: Sequence[CellData], min_votes: int = MIN_VOTES
         estimate = res.lam * float(np.mean(cell.predictions)) + res.rect[i]
         out.append(Estimate(float(np.clip(estimate, 0.0, 1.0)), float(np.sqrt(variance)),
                             len(cell.votes), float(res.df)))
+    return out
+
+
+def ppi_topics(models: Sequence[CellData], topics: Sequence[Sequence[CellData]],
+               min_votes: int = MIN_VOTES) -> list[list[Estimate | None]]:
+    """Each model's topic cells (`topics[m]`, the cells of `models[m]`'s pairs by topic), nested
+    in its Overall cell as the module's `ppi_topics` says; None where the model has no Overall
+    estimate (below `min_votes` on the board, or no vote on it) and for a cell without pairs."""
+    if sum(len(c.votes) for c in models) < max(min_votes, 2):
+        return [[None] * len(cells) for cells in topics]
+    res = _residuals(models)
+    deviation, counts, squares, spread_of = {}, {}, 0.0, []
+    for m, cells in enumerate(topics):
+        for t, cell in enumerate(cells):
+            if m not in res.rect or not len(cell.votes):
+                continue
+            y, f = np.asarray(cell.votes, float), np.asarray(cell.voted_predictions, float)
+            w = np.asarray(cell.weights, float) if len(cell.weights) else np.ones(len(y))
+            e = y - res.lam * f - res.rect[m]
+            deviation[m, t] = float((w * e).sum() / w.sum())
+            counts[m, t] = float(w.sum() ** 2 / (w ** 2).sum())
+            squares += float((w ** 2 * (e - deviation[m, t]) ** 2).sum() / (w ** 2).sum()) * len(e)
+            spread_of.extend(e)
+    n = len(spread_of)
+    df = n - len(deviation)
+    s2 = squares / df if df >= 10 else float(np.var(spread_of, ddof=1)) if n > 1 else 1.0
+    s2 = max(s2, 1.0 / max(n, 1))
+    tau2 = _spread_upper_bound(deviation, counts, s2)
+    out: list[list[Estimate | None]] = []
+    for m, cells in enumerate(topics):
+        if m not in res.rect:
+            out.append([None] * len(cells))
+            continue
+        shrunk, extra = {}, {}
+        for t, cell in enumerate(cells):
+            if (m, t) in deviation:
+                noise = s2 / counts[m, t]
+                keep = tau2 / (noise + tau2) if noise + tau2 else 0.0
+                shrunk[t], extra[t] = keep * deviation[m, t], keep * noise
+            else:
+                shrunk[t], extra[t] = 0.0, tau2
+        sizes = {t: len(cell.predictions) for t, cell in enumerate(cells)}
+        centre = sum(sizes[t] * shrunk[t] for t in shrunk) / max(sum(sizes.values()), 1)
+        model_var = max(res.own[m] or 0.0, res.pooled) / res.effective[m]
+        row: list[Estimate | None] = []
+        for t, cell in enumerate(cells):
+            if not sizes[t]:  # a topic this selection lacks
+                row.append(None)
+                continue
+            estimate = (res.lam * float(np.mean(cell.predictions)) + res.rect[m] + shrunk[t]
+                        - centre)
+            row.append(Estimate(float(np.clip(estimate, 0.0, 1.0)),
+                                float(np.sqrt(model_var + extra[t])), len(cell.votes),
+                                float(res.df)))
+        out.append(row)
     return out
 
 

@@ -51,13 +51,14 @@ def rank_set(row: dict) -> str:
 
 def method_note(board: dict) -> str:
     """How a board's intervals were made and what they assume, in one line."""
+    notes = [r["overall"]["interval_note"] for r in board["rows"]
+             if r["overall"].get("interval_note")]
     if board.get("interval_method") == "ppi":
         note = f"prediction-powered (PPI++, the CRM's verdicts corrected by the user's votes); " \
                f"assumes {board['assumes']}"
-        notes = [r["overall"]["interval_note"] for r in board["rows"]
-                 if r["overall"].get("interval_note")]
         return note + (f". {notes[0]}" if notes else "")
-    return f"percentile bootstrap over the queries; {board.get('assumes', '')}".rstrip("; ")
+    note = f"percentile bootstrap over the queries; {board.get('assumes', '')}".rstrip("; ")
+    return note + (f". {notes[0]}" if notes else "")
 
 
 def slot_note(board: dict) -> str:

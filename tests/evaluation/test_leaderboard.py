@@ -499,8 +499,11 @@ def test_crm_leaderboard_writes_json_md_png(tmp_path):
     saved = json.loads((run_dir / "leaderboard.json").read_text())
     assert saved["votes"] == {"file": str(votes), "read": 2, "used": 1, "outside_topics": 1,
                               "on_rejected_lines": 0, "unscorable": 0}
-    assert saved["interval"]["method"] == "ppi"  # auto, with votes; 1 vote: no interval, said so
-    assert "1 votes where PPI needs 20" in saved["boards"][0]["rows"][0]["overall"]["interval_note"]
+    # auto, with votes; 1 vote: the bootstrap's intervals until PPI has 20, and each cell says so
+    assert saved["interval"]["method"] == saved["boards"][0]["interval_method"] == "bootstrap"
+    overall = saved["boards"][0]["rows"][0]["overall"]
+    assert overall["ci_low"] is not None and overall["interval_note"] == (
+        "bootstrap interval (the CRM taken as the user) until PPI has 20 votes: 1 so far")
     suggested = [json.loads(x) for x in (run_dir / "suggested_votes.jsonl").read_text().splitlines()]
     assert [(s["idx"], s["model"]) for s in suggested][:3] == [(s["idx"], m) for s, m in
                                                                zip(suggested, ("m1", "m2", "m3"))]
@@ -632,7 +635,9 @@ def test_the_installed_command_and_the_documented_way_to_vote(tmp_path, monkeypa
                              .read_text().splitlines()))
     installed(f"votes={votes}", f"hydra.run.dir={tmp_path}/voted")
     saved = json.loads((tmp_path / "voted" / "leaderboard.json").read_text())
-    assert saved["votes"]["used"] == 6 and saved["interval"]["method"] == "ppi"
+    assert saved["votes"]["used"] == 6  # each line, with its verdict, a vote of this board
+    assert "until PPI has 20 votes: 6 so far" in saved["boards"][0]["rows"][0]["overall"][
+        "interval_note"]
     monkeypatch.setattr("sys.argv", [*command[:4], "criteria=[long answer]", f"votes={votes}",
                                      f"hydra.run.dir={tmp_path}/other"])
     capsys.readouterr()  # export_tiny's progress

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from crm.evaluation.ppi import CellData, Estimate, ppi_pooled, ppi_separate, rank_sets, wilson
+from crm.evaluation.ppi import (CellData, Estimate, ppi_pooled, ppi_separate, ppi_topics, rank_sets,
+                                wilson)
 
 Z95 = 1.959963984540054
 
@@ -218,3 +219,36 @@ def test_each_models_interval_and_the_rank_sets_hold_at_their_level(scenario):
     per_model, joint = simulate_boards(scenario, 50, 800, np.random.default_rng(7))
     assert per_model.min() >= 0.93, per_model
     assert joint >= 0.93
+
+
+def test_topic_cells_add_up_to_their_models_overall():
+    """Three models over topics of 12, 6 and 2 pairs; the CRM errs on one topic of model 0 only.
+    Each model's topic estimates, weighted by their pairs, average to its Overall estimate; the
+    topic where the CRM errs moves away from the others; a topic without votes gets its model's
+    correction and the spread as extra variance."""
+    rng = np.random.default_rng(3)
+    sizes = (12, 6, 2)
+    models, topics, truths = [], [], {}
+    for m in range(3):
+        cells = []
+        for t, size in enumerate(sizes):
+            truth = (rng.random(size) < 0.5).astype(float)
+            truths[m, t] = float(truth.mean())
+            crm = truth.copy() if (m, t) != (0, 1) else 1 - truth
+            voted = np.arange(min(size, 8)) if t < 2 else np.arange(0)
+            cells.append(CellData(crm, crm[voted], truth[voted]))
+        topics.append(cells)
+        models.append(CellData(np.concatenate([c.predictions for c in cells]),
+                               np.concatenate([c.voted_predictions for c in cells]),
+                               np.concatenate([c.votes for c in cells])))
+    overall = ppi_separate(models)
+    nested = ppi_topics(models, topics)
+    for m in range(3):
+        mean = sum(n * e.win_rate for n, e in zip(sizes, nested[m])) / sum(sizes)
+        assert mean == pytest.approx(overall[m].win_rate, abs=1e-9)
+        assert nested[m][2].votes == 0 and nested[m][2].sd > overall[m].sd
+    # the CRM said the opposite of the user on model 0's second topic: its votes there move the
+    # cell toward the user's rate, away from the CRM's
+    crm_rate = float(np.mean(topics[0][1].predictions))
+    assert abs(nested[0][1].win_rate - truths[0, 1]) < abs(crm_rate - truths[0, 1])
+    assert ppi_topics(models, topics, min_votes=100) == [[None] * 3] * 3

@@ -141,12 +141,21 @@ def test_a_board_with_votes_has_ppi_intervals_rank_sets_and_costs_no_forward_mor
     assert "| Rank | Rank (UB) | Rank set | Model | Overall | 95% CI | Votes |" in text
     assert "prediction-powered" in text and "Votes: 36 used of 36 read" in text
     assert plot(result, tmp_path / "board.png").stat().st_size > 10_000
-    # fewer votes than PPI needs: the CRM's win rate, no interval, and the reason
+    # the cells add up: each model's topic cells, weighted by their pairs, average to its Overall
+    for row in board["rows"]:
+        cells = row["topics"].values()
+        mean = sum(c["n"] * c["win_rate"] for c in cells) / sum(c["n"] for c in cells)
+        assert mean == pytest.approx(row["overall"]["win_rate"], abs=1e-3)
+    # fewer votes than PPI needs: the bootstrap's intervals stay, and say why
     few = Votes("votes.jsonl", dict(list(used.items())[:9]))
-    thin = leaderboard(StubScorer(), selection, ["be brief"], votes=few)["boards"][0]["rows"]
-    assert all(r["overall"]["ci_low"] is None for r in thin)
-    assert "9 votes where PPI needs 20" in thin[0]["overall"]["interval_note"]
-    assert [r["rank_set"] for r in thin] == [[1, 3]] * 3
+    thin = leaderboard(StubScorer(), selection, ["be brief"], votes=few)
+    assert thin["boards"][0]["interval_method"] == "bootstrap"
+    rows = thin["boards"][0]["rows"]
+    assert all(r["overall"]["ci_low"] is not None for r in rows)
+    assert rows[0]["overall"]["interval_note"] == (
+        "bootstrap interval (the CRM taken as the user) until PPI has 20 votes: 9 so far")
+    assert sum(r["overall"]["votes"] for r in rows) == 9
+    assert "until PPI has 20 votes: 9 so far" in markdown(thin)
 
 
 def judged_pairs(queries: dict[str, int], models=("m1", "m2"), sure: float = 0.5) -> list:
