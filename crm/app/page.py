@@ -152,6 +152,16 @@ def text(value: str) -> str:
                    for c in value)
 
 
+def verbatim(value: str) -> str:
+    """`value` as literal text (`text`) that keeps its lines and their indentation: a bulleted
+    answer must not read as prose."""
+    def line(raw: str) -> str:
+        body = raw.lstrip(" ")
+        return "&#160;" * (len(raw) - len(body)) + text(body)
+
+    return "  \n".join(line(raw) for raw in value.split("\n"))
+
+
 def info(doc: dict) -> str:
     """The line "Version | # Examples | # Models | Baseline" and the criteria the board ranks by."""
     e = text
@@ -362,9 +372,9 @@ def build(service: Leaderboards, default: dict, queue_size: int = 64,
             shown_a, shown_b = sides(line)
             return {vote_pair: ("**Your criteria:** " + " · ".join(f"“{text(c)}”"
                                                                    for c in line["criteria"])
-                                + f"\n\n**Query:** {text(line['prompt'])}"),
-                    response_a: f"**A**\n\n{text(shown_a)}",
-                    response_b: f"**B**\n\n{text(shown_b)}"}
+                                + f"\n\n**Query:** {verbatim(line['prompt'])}"),
+                    response_a: f"**A**\n\n{verbatim(shown_a)}",
+                    response_b: f"**B**\n\n{verbatim(shown_b)}"}
 
         def recalibrate(current: Calibration, board_state, store, kept: bool = False) -> dict:
             """The board again with PPI intervals and rank sets from the votes so far (`kept`:

@@ -293,8 +293,11 @@ def test_the_page_calibrates_the_board_with_your_votes(app, page, tmp_path):
     page.get_by_text("Calibrate with your votes").click()
     expect(page.locator("#vote-pair")).to_contain_text("Your criteria")
     answers = ["a", "b", "tie", "a", "skip"] * 5  # 20 votes: PPI's minimum
-    seconds = []
+    seconds, shown_lines = [], []
     for answered, choice in enumerate(answers, start=1):
+        # the responses keep their lines: a bulleted answer does not read as prose
+        shown_lines += [page.locator(f"#response-{side}").inner_text().count("\n- ")
+                        for side in "ab"]
         started = time.perf_counter()
         page.locator(f"#vote-{choice}").click()
         expect(page.locator("#vote-status")).to_contain_text(f"{answered} pairs answered")
@@ -302,6 +305,7 @@ def test_the_page_calibrates_the_board_with_your_votes(app, page, tmp_path):
     expect(page.locator("#vote-status")).to_contain_text(
         "20 votes, 25 pairs answered; prediction-powered intervals from 20 of your votes, with "
         "the CRM's error")
+    assert max(shown_lines) >= 2  # one of the 50 responses shown has two bullets or more
     print(f"browser: click to recomputed board, s: median {sorted(seconds)[12]:.3f}, "
           f"max {max(seconds):.3f}")
     assert sorted(seconds)[12] < 1.0 and max(seconds) < 2.0
