@@ -157,6 +157,27 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# A bar label's width in the bars' units (% of the axis), "100%" at 8.5 pt bold, with room.
+_LABEL_WIDTH = 11.0
+
+
+def bar_label_place(value: float, low: float | None, high: float | None
+                    ) -> tuple[float, str, float]:
+    """(x, horizontal alignment, offset from the bar's centre line) for a bar's "NN%" label, on
+    the 0-100 axis, clear of the interval's line [low, high] drawn on that centre line: after
+    the interval, else before it, else (an interval over nearly the whole axis) inside the bar
+    above the line."""
+    low = value if low is None else low
+    high = value if high is None else high
+    if value > 2 * _LABEL_WIDTH and low >= 2 + _LABEL_WIDTH + 2:
+        return 2.0, "left", 0.0  # inside, at the bar's base, ahead of the interval
+    if high + 2 + _LABEL_WIDTH <= 100:
+        return high + 2, "left", 0.0
+    if low - 2 - _LABEL_WIDTH >= 0:
+        return low - 2, "right", 0.0
+    return 2.0, "left", -0.26
+
+
 def plot(result: dict, path: str | Path) -> Path:
     """leaderboard.png: per board, overall win rates as sorted bars with their intervals and a
     model x topic heatmap; with a contrast set, a slope chart of the two rankings with their
@@ -204,12 +225,10 @@ def plot(result: dict, path: str | Path) -> Path:
         ax.barh(y, overall, color=[cmap(v / 100) for v in overall], edgecolor="#555", lw=0.5,
                 xerr=errors, error_kw={"ecolor": "#333", "elinewidth": 0.9, "capsize": 2.5})
         for i, (v, row) in enumerate(zip(overall, rows)):
-            # inside at the bar's base, clear of the interval; a short bar's label after it
-            inside = v > 22
-            high = row["overall"]["ci_high"]
-            end = v if high is None else 100 * high
-            ax.text(2 if inside else end + 2, i, f"{v:.0f}%", va="center", ha="left",
-                    fontsize=8.5, fontweight="bold")
+            low, high = row["overall"]["ci_low"], row["overall"]["ci_high"]
+            x, ha, dy = bar_label_place(v, None if low is None else 100 * low,
+                                        None if high is None else 100 * high)
+            ax.text(x, i + dy, f"{v:.0f}%", va="center", ha=ha, fontsize=8.5, fontweight="bold")
         ax.axvline(50, color="#444", ls="--", lw=0.8, zorder=0)
         ax.set_xlim(0, 100)
         ax.set_yticks(list(y), [f"{drawable(name)}  [{rank_set(r)}]" for name, r in zip(names, rows)],

@@ -20,7 +20,8 @@ from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE
                                        Outcome, bench_fingerprint, bootstrap_intervals, judge,
                                        kendall_tau, leaderboard, rank_upper_bounds, select,
                                        win_rates)
-from crm.evaluation.render import interval, markdown, plot, slope_positions
+from crm.evaluation.render import (_LABEL_WIDTH, bar_label_place, interval, markdown, plot,
+                                   slope_positions)
 from crm.evaluation.votes import Votes
 from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_B
@@ -177,6 +178,26 @@ def test_kendall_tau_of_identical_and_reversed_rankings():
     # sqrt(5 x 6) in the denominator
     tied = [{"model": m, "rank": r} for m, r in zip("abcd", (1, 1, 3, 4))]
     assert kendall_tau(rows, tied)["tau"] == round(5 / (5 * 6) ** 0.5, 4)
+
+
+def test_a_bars_label_is_never_struck_through_by_its_interval():
+    """leaderboard.png's "NN%" labels: wherever the interval lies, the label on the bar's centre
+    line keeps clear of the interval's line, and stays on the axis; an interval over nearly the
+    whole axis moves the label above the line. (Inside at the bar's base, as before, struck a
+    wide PPI interval through.)"""
+    import itertools
+
+    for value, low, high in itertools.product(range(0, 101, 5), repeat=3):
+        if not low <= value <= high:
+            continue
+        x, ha, dy = bar_label_place(value, low, high)
+        start, end = (x, x + _LABEL_WIDTH) if ha == "left" else (x - _LABEL_WIDTH, x)
+        assert 0 <= start and end <= 100
+        if dy == 0:
+            assert end < low or start > high, (value, low, high)
+    assert bar_label_place(60, 5, 95)[2] != 0  # no room either side: above the line
+    assert bar_label_place(60, 40, 80) == (2.0, "left", 0.0)  # clear: at the base as before
+    assert bar_label_place(60, None, None) == (2.0, "left", 0.0)
 
 
 def test_models_sharing_a_rank_stand_around_it_on_the_slope_chart_and_say_so():
