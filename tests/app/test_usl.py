@@ -505,3 +505,17 @@ def test_an_upload_of_votes_for_other_criteria_or_another_bench_is_refused(tmp_p
     with pytest.raises(BoardError, match="given on the benchmark 'sha256:0000000000000000'; this "
                                          "board's .*bench.jsonl is 'sha256:"):
         lb.read_votes(str(path), brief)
+
+
+def test_the_bootstrap_intervals_stay_until_ppi_has_its_votes(tmp_path):
+    """A first vote does not take the board's intervals away: below 20 votes they stay the
+    bootstrap's, each cell saying so; from 20 on they are PPI's."""
+    lb = service(tmp_path)
+    criteria, choice = ("be brief",), lb.choose(["cooking", "travel", "music"])
+    lines = lb.suggestions(criteria, choice, 18)
+    few = {(line["idx"], line["model"]): "win" for line in lines[:5]}
+    doc = lb.calibrated(criteria, choice, few)
+    assert doc["interval"]["method"] == "bootstrap" and doc["votes"]["used"] == 5
+    overall = doc["rows"][0]["overall"]
+    assert overall["ci_low"] is not None
+    assert overall["interval_note"].endswith("until PPI has 20 votes: 5 so far")
