@@ -57,15 +57,10 @@ def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
     problem = not_loadable(cfg.checkpoint)  # before transformers' import: the refusal in a second
     if problem:
         raise ConfigError(f"checkpoint={cfg.checkpoint}: {problem}")
-    import torch
-
-    from crm.inference.scorer import CRMScorer
-    from crm.models.backbone import DTYPES
-
     # Bars redraw with carriage returns: in a terminal they vanish, in a log file or a pipe they
     # stay, glued to the results table the command prints next. Shown on a terminal only.
     progress = cfg.progress and sys.stderr.isatty()
-    if cfg.engine.name == "ray":
+    if cfg.engine.name == "ray":  # Ray starts behind the command, before it imports torch
         from crm.inference.engine import RayScorer, ScorerLoader, checkpoint_identity
 
         if cfg.device != "auto":
@@ -73,8 +68,14 @@ def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
                               "gives it (engine.gpus_per_worker; 0: CPU): leave device=auto")
         loader = ScorerLoader(str(cfg.checkpoint), cfg.batch_size, cfg.dtype, cfg.compile,
                               cfg.prefix_reuse)
+        # the dtype each worker resolves is in the blocks' fingerprint (crm.inference.engine)
         return RayScorer.start(loader, cfg.engine, run_dir=run_dir, progress=progress,
-                               identity=checkpoint_identity(cfg.checkpoint) + f"/{cfg.dtype}")
+                               identity=checkpoint_identity(cfg.checkpoint))
+    import torch
+
+    from crm.inference.scorer import CRMScorer
+    from crm.models.backbone import DTYPES
+
     device = None if cfg.device == "auto" else torch.device(cfg.device)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     transformers_bars(progress)  # "Loading weights" too
@@ -83,7 +84,8 @@ def load_scorer(cfg: ScorerSettings, run_dir: Path | None = None):
 
 
 def close_scorer(scorer) -> None:
-    """A RayScorer's workers stopped (and a Ray it started); a CRMScorer holds nothing to stop."""
+    """A RayScorer's workers stopped (and a Ray it started, once its start is over); a CRMScorer
+    holds nothing to stop."""
     close = getattr(scorer, "close", None)
     if close is not None:
         close()

@@ -24,7 +24,7 @@ from crm.app.service import Limits
 from crm.cli.errors import one_line_config_errors
 from crm.cli.record import save_run_record
 from crm.cli.schema import PathsConfig, register_schema, settings
-from crm.cli.scorer import ScorerSettings, load_scorer
+from crm.cli.scorer import ScorerSettings, close_scorer, load_scorer
 from crm.core.errors import ConfigError
 from crm.core.heap import freeze_startup_heap
 from crm.evaluation.leaderboard import Bootstrap
@@ -172,16 +172,19 @@ def main(cfg: DictConfig) -> None:
     auth = basic_auth(cfg.auth_env)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up probes
     page, service = build_app(cfg)
-    save_run_record(cfg)
-    from crm.app.page import HttpLimits, launch  # build_app loaded it, once its checks passed
-    print(f"crm-usl: {service.version}, baseline {service.selection.baseline}; serving on "
-          f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
-          flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
-    freeze_startup_heap()  # the model, torch and Gradio: out of the collector's full passes
-    serve = cfg.serve
-    launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(**{
-        key: serve[key] for key in HttpLimits.__dataclass_fields__}))
+    try:
+        save_run_record(cfg)
+        from crm.app.page import HttpLimits, launch  # build_app loaded it, once its checks passed
+        print(f"crm-usl: {service.version}, baseline {service.selection.baseline}; serving on "
+              f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
+              flush=True)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
+        freeze_startup_heap()  # the model, torch and Gradio: out of the collector's full passes
+        serve = cfg.serve
+        launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(**{
+            key: serve[key] for key in HttpLimits.__dataclass_fields__}))
+    finally:  # engine=ray: its workers, and a Ray it started, stop with the server
+        close_scorer(service.scorer)
 
 
 if __name__ == "__main__":

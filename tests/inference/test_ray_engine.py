@@ -1,24 +1,31 @@
 """engine=ray (crm/inference/engine.py): the rows of crm-eval, a benchmark and crm-leaderboard
 scored in blocks by Ray workers equal engine=local's; a worker SIGKILLed mid-job is replaced and its
-blocks redone; an interrupted job rerun resumes from its finished blocks; each row lands once; bad
-settings and a block that keeps killing its worker stop in one line.
+blocks redone; a block that hangs is timed out and redone on another worker; a wrong reply is the
+block's failure; a driver killed or interrupted between a block's temporary file and its rename
+resumes without it; each row lands once; bad settings, a run dir of another scoring and a block
+that keeps failing stop in one line.
 
-One local Ray for the module (2 CPUs, a 100 MB object store, no dashboard), shut down at its end,
-and one pool of 2 workers for the tests that drive RayScorer directly (a pool's start is most of
-a test's time): its workers' scorers sleep in a block holding a row keyed `slow:...` (so that a
-kill lands mid-block) and SIGKILL their process in one holding `die:...`. The 2-node cluster of
-launch/score.sbatch is tests/launch/test_score_cluster.py's.
+One local Ray for the module, started as the engine starts one (`start_local`: 127.0.0.1 only, 6
+logical CPUs, a 100 MB object store), shut down at its end, and one pool of 2 workers for the tests
+that drive RayScorer directly (a pool's start is most of a test's time): its workers' scorers sleep
+in a block holding a row keyed `slow:...` (so that a kill lands mid-block), SIGKILL their process in
+one holding `die:...`, and, once per module, hang in one holding `hang:...` and answer NaN in one
+holding `nan:...`. The 2-node cluster of launch/score.sbatch is tests/launch/test_score_cluster.py's.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,8 +35,10 @@ from scorers import export_tiny, run_cli
 
 from crm.core.errors import ConfigError
 from crm.evaluation.leaderboard import pairs, select
-from crm.inference.engine import (BlockFailed, EngineConfig, RayScorer, ScorerLoader, WorkerPool,
-                                  checkpoint_identity, pair_blocks, plan_blocks)
+from crm.inference.engine import (BLOCKS_IN_FLIGHT, DRIVER_FIELDS, FAULT_ENV, WORKER_FIELDS,
+                                  BlockFailed, BlockStore, EngineConfig, RayScorer, ScorerLoader,
+                                  WorkerPool, _BlockRun, check_reply, checkpoint_identity,
+                                  pair_blocks, plan_blocks, start_local)
 
 ray = pytest.importorskip("ray", reason="engine=ray needs ray (pip install -e '.[ray]')")
 
@@ -38,19 +47,34 @@ ray = pytest.importorskip("ray", reason="engine=ray needs ray (pip install -e '.
 pytestmark = pytest.mark.both_cores
 TESTS = Path(__file__).resolve().parents[1]
 TWO_WORKERS = EngineConfig(name="ray", workers=2, block_prompts=1, block_attempts=3)
+CPUS = 6  # logical: the module's pool (2), a test's own pool and a crm-leaderboard's (1 each)
+
+
+class Said(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[str] = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One small local Ray for the module. Its workers import this module (a test's loader is
-    pickled by reference), so they get the tests' folders on PYTHONPATH."""
+    """One small local Ray for the module, started as engine=ray starts one; what Ray logged as it
+    started. Its workers import this module (a test's loader is pickled by reference), so they
+    get the tests' folders on PYTHONPATH."""
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS), str(TESTS / "inference"), *([path] if path else [])])
-    ray.init(num_cpus=2, num_gpus=0, object_store_memory=100 * 2**20, include_dashboard=False,
-             configure_logging=False, log_to_driver=False)
+    said = Said()
+    logging.getLogger().addHandler(said)
     try:
-        yield
+        start_local(CPUS, 100, log_to_driver=False)
+    finally:
+        logging.getLogger().removeHandler(said)
+    try:
+        yield said.records
     finally:
         ray.shutdown()
         if path is None:
@@ -77,14 +101,18 @@ def board_examples(bench: Path):
 @dataclass(frozen=True)
 class Faulty:
     """A worker's loader whose scorer sleeps `seconds` in a block holding a `slow:` row and
-    SIGKILLs its own process in one holding a `die:` row."""
+    SIGKILLs its own process in one holding a `die:` row; the first block of all the pool's
+    workers holding a `hang:` row hangs, the first holding a `nan:` row answers NaN there (a mark
+    file in `marks` says it happened). With `gate`, the CRM loads once that file exists."""
 
     export: str
     seconds: float = 1.0
+    marks: str | None = None
+    gate: str | None = None
 
     def __call__(self, device):
-        import time
-
+        while self.gate and not os.path.exists(self.gate):
+            time.sleep(0.05)
         scorer = ScorerLoader(self.export)(device)
         score = scorer.pair_probabilities
 
@@ -93,15 +121,28 @@ class Faulty:
                 os.kill(os.getpid(), signal.SIGKILL)
             if any(e.key.startswith("slow:") for e in examples):
                 time.sleep(self.seconds)
-            return score(examples, **kwargs)
+            if any(e.key.startswith("hang:") for e in examples) and self._first("hang"):
+                time.sleep(600)
+            probs = score(examples, **kwargs)
+            if any(e.key.startswith("nan:") for e in examples) and self._first("nan"):
+                probs[[e.key.startswith("nan:") for e in examples]] = float("nan")
+            return probs
 
         scorer.pair_probabilities = pair_probabilities
         return scorer
 
+    def _first(self, what: str) -> bool:
+        try:
+            os.close(os.open(os.path.join(self.marks, what), os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+
 
 @pytest.fixture(scope="module")
-def pool(local_ray, pairwise_export):
-    pool = WorkerPool(Faulty(str(pairwise_export)), TWO_WORKERS)
+def pool(local_ray, pairwise_export, tmp_path_factory):
+    marks = tmp_path_factory.mktemp("faults")
+    pool = WorkerPool(Faulty(str(pairwise_export), marks=str(marks)), TWO_WORKERS)
     try:
         yield pool
     finally:
@@ -129,26 +170,41 @@ def test_a_block_holds_whole_prompt_groups_in_first_seen_order():
     assert plan_blocks(keys, 2, lengths) == [[1, 4, 5], [6, 0, 2], [3]]
 
 
+def test_every_worker_gets_two_blocks_where_the_groups_allow():
+    """A 480-row board (60 queries x 8 models) at the default 64 prompt groups per block went to
+    2 workers as one block; now each worker gets two."""
+    keys = [f"q{q}" for q in range(60) for _ in range(8)]
+    assert len(plan_blocks(keys, 64)) == 1
+    blocks = plan_blocks(keys, 64, min_blocks=2 * 2)
+    assert len(blocks) == 4 and sorted(i for b in blocks for i in b) == list(range(480))
+    assert len(plan_blocks(keys[:16], 64, min_blocks=4)) == 2  # 2 groups: no more blocks than that
+    assert len(plan_blocks(keys, 8, min_blocks=4)) == 8  # block_prompts stays the most per block
+
+
 class _Actor:
     """Stands for a worker's actor handle: `pairs.remote(block)` returns a reference."""
 
     def __init__(self):
         self.pairs = self
 
-    def remote(self, block):
+    def remote(self, *block):
         return object()
 
 
+def block_run(workers: int, nodes: list[str] | None = None, blocks: int = 8) -> _BlockRun:
+    """A _BlockRun over stand-in workers (`nodes`: each one's node), to test where blocks go."""
+    nodes = nodes or ["n0"] * workers
+    pool = SimpleNamespace(actors=[_Actor() for _ in range(workers)], down=set(), fresh=set(),
+                           workers=[{"node": n, "node_id": n, "pid": i} for i, n in enumerate(nodes)])
+    scorer = SimpleNamespace(pool=pool, config=TWO_WORKERS, seconds_per_char=None)
+    run = _BlockRun(scorer, "pairs", "001-pairs", [[i] for i in range(blocks)], [],
+                    lambda rows: tuple(rows), None, {})
+    run.queue = deque(range(blocks))
+    return run
+
+
 def test_each_worker_gets_a_first_block_before_any_a_second_and_a_block_to_redo_runs_alone():
-    from types import SimpleNamespace
-
-    from crm.inference.engine import BLOCKS_IN_FLIGHT, _BlockRun
-
-    pool = SimpleNamespace(actors=[_Actor(), _Actor()], down=set())
-    scorer = SimpleNamespace(pool=pool)
-    blocks = [[i] for i in range(8)]
-    run = _BlockRun(scorer, "pairs", "001-pairs", blocks, [], lambda rows: tuple(rows), None, {})
-    run.queue = deque(range(8))
+    run = block_run(2)
     run._give()
     assert BLOCKS_IN_FLIGHT == 2 and run.given == {0: [0, 2], 1: [1, 3]}
     # Worker 0 died holding 0 and 2 (neither counted); worker 1 finished block 1.
@@ -163,6 +219,73 @@ def test_each_worker_gets_a_first_block_before_any_a_second_and_a_block_to_redo_
     run.given[0] = []  # block 0 done: worker 0 takes two of the queue again
     run._give()
     assert run.given == {0: [4, 5], 1: [2]}
+
+
+def test_a_failed_block_is_redone_on_another_worker_on_another_node():
+    run = block_run(3, nodes=["a", "a", "b"])
+    run.queue.clear()
+    run.given = {0: [], 1: [], 2: [7]}  # worker 2, the other node's, is busy
+    run.failures[0] = [(0, "a", "worker 0 at a: its worker died")]
+    run.alone.append(0)
+    run._give()  # worker 1 is empty but on the node the block failed on: it waits for worker 2
+    assert run.given == {0: [], 1: [], 2: [7]} and list(run.alone) == [0]
+    run.given[2] = []
+    run._give()
+    assert run.given[2] == [0]
+    # Failed on every worker up: any of them, rather than waiting for ever.
+    run = block_run(2)
+    run.queue.clear()
+    run.failures[0] = [(0, "n0", "x"), (1, "n0", "y")]
+    run.alone.append(0)
+    run.pool.down.add(1)
+    run._give()
+    assert run.given == {0: [0], 1: []}
+
+
+# -- what a worker's reply must be -----------------------------------------------------------------
+
+def test_a_reply_that_does_not_match_its_block_is_named():
+    nan = float("nan")
+    pairs = {"rows": [4, 5], "values": [[0.2, 0.8, 0.0], [0.6, 0.4, 0.0]], "scorable": [True, True]}
+    assert check_reply("pairs", [4, 5], None, "nan", pairs) is None
+    assert "rows are not the block's" in check_reply("pairs", [4, 6], None, "nan", pairs)
+    short = {**pairs, "values": [[0.2, 0.8, 0.0]]}
+    assert check_reply("pairs", [4, 5], None, "nan", short) == "1 values for 2 rows"
+    unfit = {**pairs, "values": [[nan] * 3, [0.6, 0.4, 0.0]], "scorable": [False, True]}
+    assert check_reply("pairs", [4, 5], None, "nan", unfit) is None  # a row that cannot fit
+    assert "NaN values where unfit=raise" in check_reply("pairs", [4, 5], None, "raise", unfit)
+    model_nan = {**unfit, "scorable": [True, True]}
+    assert "1 NaN values where the prompts fit" in check_reply("pairs", [4, 5], None, "nan", model_nan)
+    # Groups: a short lengths array would be truncated by a zip; it is the block's failure.
+    groups = {"rows": [0, 1], "values": [0.1, 0.9, 0.5, 0.5], "lengths": [2, 2],
+              "fits": [True, True], "scorable": [True] * 4}
+    assert check_reply("groups", [0, 1], [2, 2], "nan", groups) is None
+    assert "1 groups of 2 completions for 2 groups of 4" in check_reply(
+        "groups", [0, 1], [2, 2], "nan", {**groups, "lengths": [2], "values": [0.1, 0.9]})
+    assert "3 values for 4 completions" in check_reply(
+        "groups", [0, 1], [2, 2], "nan", {**groups, "values": [0.1, 0.9, 0.5]})
+
+
+# -- what a block's scores depend on ---------------------------------------------------------------
+
+FINGERPRINT = {"rows": "r1", "criteria": "c1", "checkpoint": "k1", "scoring": "pairs, unfit=nan",
+               "cut": "groups-by-length, block_prompts=8", "tokenizer": "t1", "template": "p1",
+               "dtype": "float32", "device": "cpu"}
+
+
+@pytest.mark.parametrize("field", [*DRIVER_FIELDS, *WORKER_FIELDS])
+def test_a_rerun_with_any_field_changed_is_refused_naming_it(field, tmp_path):
+    task = tmp_path / "blocks" / "001-pairs"
+    task.mkdir(parents=True)
+    (task / "plan.json").write_text(json.dumps({"fingerprint": FINGERPRINT}))
+    store = BlockStore(task)
+    store.check(FINGERPRINT, [*DRIVER_FIELDS, *WORKER_FIELDS])  # the same: resumed
+    changed = {**FINGERPRINT, field: {"dtype": "bfloat16", "device": "cuda"}.get(field, "other")}
+    with pytest.raises(ConfigError, match=f"finished blocks of another scoring \\((their )?{field}"):
+        store.check(changed, [*DRIVER_FIELDS, *WORKER_FIELDS])
+    if field == "dtype":  # short values are shown
+        with pytest.raises(ConfigError, match="dtype: float32 there, bfloat16 now"):
+            store.check(changed, WORKER_FIELDS)
 
 
 # -- equal to engine=local -------------------------------------------------------------------------
@@ -278,25 +401,81 @@ def test_a_worker_killed_mid_job_is_replaced_and_each_row_lands_once(pool, pairw
     assert 1 not in pool.down and pool.workers[1]["pid"] != killed[0]
 
 
-def test_an_interrupted_job_rerun_resumes_from_its_finished_blocks(pool, pairwise_export,
-                                                                   demo_root, tmp_path, caplog):
+def wait_until_back(pool: WorkerPool) -> None:
+    """Every worker Ray restarted answers again (a later test counts on both)."""
+    deadline = time.time() + 120
+    while pool.down and time.time() < deadline:
+        pool.probed(ray.wait(list(pool.probes), num_returns=1)[0][0])
+    assert not pool.down
+
+
+def stored_rows(task: Path) -> list[int]:
+    return sorted(i for b in task.glob("*.npz") for i in np.load(b, allow_pickle=False)["rows"].tolist())
+
+
+def test_a_block_that_hangs_is_timed_out_and_redone_on_another_worker(pool, pairwise_export,
+                                                                      demo_root, tmp_path):
+    from crm.inference.scorer import CRMScorer
+
+    examples = board_examples(demo_files(demo_root)[1])
+    hung = pair_blocks(examples, 1)[2]  # block 2: a worker's second
+    examples = marked(examples, "hang", lambda i: i in hung)
+    expected = CRMScorer.load(pairwise_export).pair_probabilities(examples)
+    scorer = ray_scorer(pool, pairwise_export, tmp_path / "run",
+                        config=replace(TWO_WORKERS, block_timeout=4))
+    got = scorer.pair_probabilities(examples)
+    assert torch.allclose(got, expected, atol=1e-5) and not got.isnan().any()
+    task = tmp_path / "run" / "blocks" / "001-pairs"
+    assert stored_rows(task) == list(range(len(examples)))  # each row once
+    engine = json.loads((tmp_path / "run" / "engine.json").read_text())
+    (timeout,) = [r for r in engine["tasks"][0]["retries"] if r["reason"] == "timeout"]
+    assert timeout["block"] == 2 and timeout["counted"] and timeout["detail"] == "no reply within 4 s"
+    assert timeout["node"] == "127.0.0.1" and timeout["pid"] is not None
+    # redone on the other worker, not on the one Ray restarts in place of the hung one
+    assert int(np.load(task / "000002.npz")["worker"]) != timeout["worker"]
+    wait_until_back(pool)
+
+
+def test_a_wrong_reply_is_the_blocks_failure_and_is_redone_elsewhere(pool, pairwise_export,
+                                                                    demo_root, tmp_path, caplog):
+    """A worker whose model answers NaN on rows that fit (a broken device): the driver checks
+    the reply against the block, and the block is redone on the other worker."""
+    from crm.inference.scorer import CRMScorer
+
+    examples = board_examples(demo_files(demo_root)[1])
+    examples = marked(examples, "nan", lambda i: i in pair_blocks(examples, 1)[1])
+    expected = CRMScorer.load(pairwise_export).pair_probabilities(examples, unfit="nan")
+    scorer = ray_scorer(pool, pairwise_export, tmp_path / "run")
+    with caplog.at_level("WARNING", logger="crm.inference.engine"):
+        got = scorer.pair_probabilities(examples, unfit="nan")
+    assert torch.allclose(got, expected, atol=1e-5) and not got.isnan().any()
+    (retry,) = scorer.tasks[0]["retries"]
+    assert retry["block"] == 1 and retry["reason"] == "reply" and retry["counted"]
+    assert "NaN values where the prompts fit" in retry["detail"] and "answered block 1 wrongly" in caplog.text
+    task = tmp_path / "run" / "blocks" / "001-pairs"
+    assert int(np.load(task / "000001.npz")["worker"]) != retry["worker"]
+
+
+def test_an_interrupt_between_a_blocks_write_and_its_rename_leaves_it_unfinished(
+        pool, pairwise_export, demo_root, tmp_path, monkeypatch, caplog):
+    """Ctrl-C after the third block's temporary file is written, before its rename: two blocks
+    count as finished, the third does not, and the rerun redoes it."""
     examples = board_examples(demo_files(demo_root)[1])
     run_dir = tmp_path / "run"
-
-    def interrupt(task, block):
-        if len(list((run_dir / "blocks" / task).glob("*.npz"))) == 2:
-            raise KeyboardInterrupt  # Ctrl-C, after two blocks were written
-
-    first = ray_scorer(pool, pairwise_export, run_dir, on_block=interrupt)
+    task = run_dir / "blocks" / "001-pairs"
+    monkeypatch.setenv(FAULT_ENV, "interrupt:3")
     with pytest.raises(KeyboardInterrupt):
-        first.pair_probabilities(examples)
-    assert not list((run_dir / "blocks" / "001-pairs").glob("*.tmp"))
+        ray_scorer(pool, pairwise_export, run_dir).pair_probabilities(examples)
+    monkeypatch.delenv(FAULT_ENV)
+    (tmp,) = task.glob("*.tmp")
+    assert len(list(task.glob("*.npz"))) == 2 and not tmp.with_suffix("").exists()
     rerun = ray_scorer(pool, pairwise_export, run_dir)  # the same command again
     with caplog.at_level("INFO", logger="crm.inference.engine"):
         got = rerun.pair_probabilities(examples)
     fresh = rerun.pair_probabilities(examples)  # the next task: nothing to resume
     assert "001-pairs: 2 of 4 blocks already finished" in caplog.text
     assert rerun.tasks[0]["skipped"] == 2 and rerun.tasks[1]["skipped"] == 0
+    assert not list(task.glob("*.tmp")) and stored_rows(task) == list(range(len(examples)))
     assert torch.allclose(got, fresh, atol=1e-5) and not got.isnan().any()
     assert rerun.counts["sequences"] == 2 * len(examples)  # skipped blocks' counts included
     engine = json.loads((run_dir / "engine.json").read_text())
@@ -307,16 +486,92 @@ def test_blocks_of_other_rows_in_the_run_dir_are_refused(pool, pairwise_export, 
                                                          tmp_path):
     examples = board_examples(demo_files(demo_root)[1])
     ray_scorer(pool, pairwise_export, tmp_path / "run").pair_probabilities(examples[:4])
-    with pytest.raises(ConfigError, match="finished blocks of another scoring"):
+    with pytest.raises(ConfigError, match=r"finished blocks of another scoring \(their rows differ\)"):
         ray_scorer(pool, pairwise_export, tmp_path / "run").pair_probabilities(examples)
+    other = [replace(e, criteria=("I prefer long answers.",)) for e in examples[:4]]
+    with pytest.raises(ConfigError, match=r"\(their criteria differ\)"):
+        ray_scorer(pool, pairwise_export, tmp_path / "run").pair_probabilities(other)
+
+
+def test_a_run_dir_of_another_scoring_is_refused_before_the_workers_are_up(
+        local_ray, pairwise_export, demo_root, tmp_path):
+    """RayScorer.start returns while Ray's workers start (they load once the gate file exists):
+    the driver reads and plans meanwhile, and a run dir of another scoring is refused then, not
+    after the start-up; closing does not wait for the start, which stops what it started."""
+    examples = board_examples(demo_files(demo_root)[1])
+    task = tmp_path / "run" / "blocks" / "001-pairs"
+    task.mkdir(parents=True)
+    (task / "plan.json").write_text(json.dumps({"fingerprint": {**FINGERPRINT, "rows": "other"}}))
+    gate = tmp_path / "gate"
+    scorer = RayScorer.start(Faulty(str(pairwise_export), gate=str(gate)),
+                             replace(TWO_WORKERS, workers=1), run_dir=tmp_path / "run",
+                             identity=checkpoint_identity(pairwise_export))
+    try:
+        assert not scorer.pool.ready
+        with pytest.raises(ConfigError, match="finished blocks of another scoring"):
+            scorer.pair_probabilities(examples)
+        assert not scorer.pool.ready  # refused without waiting for the workers
+        scorer.close()
+        scorer.pool.join()  # the start stopped its worker, still loading (the gate is shut)
+        assert scorer.pool.actors == [] and not scorer.pool.ready
+    finally:
+        gate.touch()
+        scorer.pool.join()
+
+
+def test_a_local_ray_listens_on_loopback_only_and_says_no_token_warning(local_ray):
+    import psutil
+
+    assert not [m for m in local_ray if "Token authentication" in m], local_ray
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    listening = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            listening += [(process.name(), c.laddr.ip) for c in process.net_connections("tcp")
+                          if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:  # a worker that ended meanwhile
+            pass
+    assert {"gcs_server", "raylet"} <= {name for name, _ in listening}
+    assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for _, ip in listening), listening
+
+
+def test_a_driver_killed_mid_write_resumes_and_the_real_loader_equals_engine_local(
+        pool, pairwise_export, demo_root, tmp_path, monkeypatch):
+    """crm-leaderboard with engine=ray joins the running cluster (engine.address=auto), its real
+    loader in a real worker, and is SIGKILLed between its second block's temporary file and the
+    rename: the rerun keeps the first block, redoes the second, and every figure equals
+    engine=local's."""
+    from crm.cli.leaderboard import run
+
+    _, bench = demo_files(demo_root)
+    common = [f"checkpoint={pairwise_export}", f"bench={bench}", "baseline=baseline",
+              "progress=false", "both_orders=false", "slot_sample=0",
+              'criteria=["I prefer short, to-the-point answers."]']
+    spread = [*common, "engine=ray", "engine.address=auto", "engine.workers=1",
+              "engine.block_prompts=1"]
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    killed = subprocess.run(
+        [sys.executable, "-m", "crm.cli.leaderboard", *spread, f"hydra.run.dir={tmp_path / 'ray'}"],
+        env={**os.environ, FAULT_ENV: "kill:2"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    task = tmp_path / "ray" / "blocks" / "001-pairs"
+    assert sorted(p.name for p in task.iterdir()) == ["000000.npz", "000001.npz.tmp", "plan.json"]
+    local = run_cli("leaderboard", run, common, tmp_path / "local")
+    resumed = run_cli("leaderboard", run, spread, tmp_path / "ray")  # RayScorer.start, real loader
+    for key in ("boards", "examples", "models"):
+        assert resumed[key] == local[key], key
+    engine = json.loads((tmp_path / "ray" / "engine.json").read_text())
+    assert engine["started_ray"] is False and engine["loader"]["checkpoint"] == str(pairwise_export)
+    assert engine["tasks"][0]["skipped"] == 1
+    assert not list(task.glob("*.tmp")) and stored_rows(task) == list(range(engine["tasks"][0]["rows"]))
 
 
 def test_more_workers_than_the_cluster_has_and_an_unreachable_address_are_one_line(
         local_ray, pairwise_export):
     load = ScorerLoader(str(pairwise_export))
-    with pytest.raises(ConfigError, match=r"engine.workers=3 x engine.cpus_per_worker=1 needs 3 "
-                                          r"CPUs; the cluster \(local\) has 2$"):
-        WorkerPool(load, EngineConfig(name="ray", workers=3))
+    with pytest.raises(ConfigError, match=rf"engine.workers={CPUS + 1} x engine.cpus_per_worker=1 "
+                                          rf"needs {CPUS + 1} CPUs; the cluster \(local\) has {CPUS}$"):
+        WorkerPool(load, EngineConfig(name="ray", workers=CPUS + 1))
     with pytest.raises(ConfigError, match="needs 2 GPUs; the cluster .* has 0"):
         WorkerPool(load, EngineConfig(name="ray", workers=2, gpus_per_worker=1))
     address = f"127.0.0.1:{free_port()}"
@@ -372,11 +627,39 @@ def test_a_block_that_keeps_killing_its_worker_stops_the_job_naming_its_rows(
                        if len(examples) - 1 in rows)
     keys = [examples[i].key for i in rows]
     with pytest.raises(BlockFailed, match=f"001-pairs: block {block} \\({len(keys)} rows: "
-                                          f"{re.escape(keys[0])}.* and {len(keys) - 5} more\\) killed "
-                                          "its worker 2 times.*its rows are not scored, the job stops; "
-                                          f"the rows: {task}"):
+                                          f"{re.escape(keys[0])}.* and {len(keys) - 5} more\\) failed "
+                                          r"2 times \(worker \d at 127.0.0.1: its worker died \(\w+\); "
+                                          r"worker \d at 127.0.0.1: its worker died .*\); its rows are not "
+                                          f"scored, the job stops; the rows: {task}"):
         scorer.pair_probabilities(examples)
     assert not (task / f"{block:06d}.npz").exists()
     failed = json.loads((task / f"failed-{block:06d}.json").read_text())
-    assert failed["rows"] == keys and failed["deaths"] == 2
+    assert failed["rows"] == keys and len(failed["failures"]) == 2
+    # each counted death on another worker: a bad worker does not use up an innocent block
+    assert len({f.split(" at ")[0] for f in failed["failures"]}) == 2
 
+
+
+def test_crm_usl_closes_its_scorer_when_the_server_stops(monkeypatch):
+    """Ctrl-C (or SIGTERM) ends crm-usl's server: its RayScorer's workers, and a Ray it started,
+    stop with it."""
+    import crm.cli.usl as usl
+
+    closed = []
+    service = SimpleNamespace(scorer=SimpleNamespace(close=lambda: closed.append(True)),
+                              version="v", selection=SimpleNamespace(baseline="b"))
+
+    def launch(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    page = SimpleNamespace(HttpLimits=type("HttpLimits", (), {"__dataclass_fields__": {}}),
+                           launch=launch)
+    monkeypatch.setitem(sys.modules, "crm.app.page", page)  # not Gradio's import
+    monkeypatch.setattr(usl, "build_app", lambda cfg: (object(), service))
+    monkeypatch.setattr(usl, "save_run_record", lambda cfg: None)
+    monkeypatch.setattr(usl, "freeze_startup_heap", lambda: None)
+    monkeypatch.setattr(usl.signal, "signal", lambda *args: None)  # the test's SIGTERM kept
+    cfg = SimpleNamespace(auth_env=None, host="127.0.0.1", port=1, serve={})
+    with pytest.raises(KeyboardInterrupt):
+        usl.main.__wrapped__(cfg)
+    assert closed == [True]
