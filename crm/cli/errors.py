@@ -92,6 +92,11 @@ def describe(exc: HydraException) -> str:
             return f"{key}: no such key{_nearest(key, cause.parent_node)}"
         if "is not a ListConfig" in reason:  # key=a.jsonl for key=[a.jsonl]
             return f"{key}: a list: write {key}=[...], e.g. {key}=[a.jsonl,b.jsonl]"
+        if "is not a subclass of" in reason:  # key=5 for a group such as suggest_votes.pairs=5
+            node = cause.parent_node.get(key.rpartition(".")[2]) if cause.parent_node else None
+            fields = [f"{key}.{k}" for k in node.keys()] if hasattr(node, "keys") else []
+            return (f"{key}: a group of keys, not one value: set "
+                    f"{' or '.join(fields) or 'its keys (--cfg job lists them)'}")
         return f"{key}: {reason}"
     if isinstance(exc, OverrideParseException):
         # Hydra's grammar takes letters, digits and a few symbols unquoted: an emoji, a space or

@@ -679,3 +679,14 @@ def test_a_failing_run_exits_non_zero(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 2 and "none.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_a_group_given_one_value_is_one_line_naming_its_keys(tmp_path, capsys, monkeypatch):
+    """suggest_votes is a group (pairs, strategy): `suggest_votes=4` names the keys to set."""
+    from crm.cli.leaderboard import main
+
+    line = refused(capsys, monkeypatch, main, "crm-leaderboard", f"checkpoint={tmp_path}",
+                   f"bench={tmp_path}/b.jsonl", "baseline=base", "criteria=[x]",
+                   "suggest_votes=4", f"hydra.run.dir={tmp_path}/run")
+    assert line == ("crm-leaderboard: suggest_votes: a group of keys, not one value: set "
+                    "suggest_votes.pairs or suggest_votes.strategy")
