@@ -22,55 +22,17 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 import torch
-from omegaconf import OmegaConf
+from serving import (CHATML, CRITERIA, cpu_seconds, export, machine, samples,
+                     start_reward_server)
 
-import crm_configs
-from crm.core.prompts import PromptTemplate
-from crm.core.records import read_lines
 from crm.data.demo import write_demo
 from crm.inference.reward import CRMReward
-from crm.models.export import export_crm
-from crm.models.factory import LossConfig, ModelConfig, build_crm
-from crm.models.tokenizer import train_bpe_tokenizer
-from crm.rl.policy import first_sentences
-
-CRITERIA = ["I prefer detailed answers that cover everything."]
-CHATML = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def samples(train_file: Path, n: int) -> list[tuple[str, str, str]]:
-    """n distinct (query, response, reference): every demo query x answers cut after k sentences."""
-    answers: dict[str, list[str]] = {}
-    for line in read_lines(train_file, "train"):
-        r = line.record
-        answers.setdefault(r.query, []).extend([r.model_a[1].content, r.model_b[1].content])
-    out = []
-    for query, texts in sorted(answers.items()):
-        cuts = sorted({first_sentences(a, k) for a in texts[1:] for k in range(1, 6)})
-        out += [(query, cut, texts[0]) for cut in cuts]
-    if len(out) < n:
-        raise SystemExit(f"only {len(out)} distinct samples; ask for fewer")
-    return out[:n]
-
-
-def export(tmp: Path, rows) -> Path:
-    texts = [PromptTemplate().pairwise, *CRITERIA, *(t for row in rows for t in row)]
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=2048)
-    tiny = OmegaConf.load(Path(crm_configs.__file__).parent / "model" / "tiny.yaml")
-    arch = OmegaConf.to_container(tiny.arch)
-    torch.manual_seed(0)
-    crm = build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig("pairwise"), num_labels=2,
-                    pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
-    return export_crm(crm.model, tokenizer, tmp / "crm", kind="pairwise", template=PromptTemplate(),
-                      max_tokens=512)
 
 
 def payload(row) -> dict:
@@ -110,12 +72,6 @@ async def load(url: str, rows, timeout: float) -> dict:
             "max_s": round(latencies[-1], 3) if latencies else None}
 
 
-def cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU time (all its threads): robust where wall time is shared."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def scorer_time(crm_dir: Path, rows) -> float:
     """One reward call over the same samples, fresh cache: what the server cannot go below."""
     reward = CRMReward(crm_dir, "reference", batch_size=32)
@@ -139,13 +95,9 @@ def main() -> None:
         write_demo(tmp, n_train=1500, n_test=2, n_bench=1)
         rows = samples(Path(tmp) / "train.jsonl", sum(args.levels) + 1)
         crm_dir = export(Path(tmp), rows)
-        server = subprocess.Popen(
-            [sys.executable, "-m", args.module, str(crm_dir), "--port", "0", "--device", "cpu",
-             "--batch-wait", str(args.batch_wait)],
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True)
+        server, url = start_reward_server(crm_dir, "--batch-wait", str(args.batch_wait),
+                                          module=args.module)
         try:
-            url = server.stdout.readline().split(" on ")[-1].strip()
             asyncio.run(load(url, rows[:1], args.timeout))  # warm-up: the first forward
             levels, start = [], 1
             for n in args.levels:
@@ -162,14 +114,9 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=30)
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), "unknown")
     print(json.dumps({"server": args.module,
                       "strategy": "reference", "batch_wait_s": args.batch_wait, "levels": levels,
-                      "machine": {"cpu": model, "cpus": os.cpu_count(), "server_threads": 1,
-                                  "loadavg_before": [round(x, 2) for x in load_before],
-                                  "loadavg_after": [round(x, 2) for x in os.getloadavg()]}},
-                     indent=1))
+                      "machine": machine(load_before, server_threads=1)}, indent=1))
 
 
 if __name__ == "__main__":

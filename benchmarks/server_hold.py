@@ -21,28 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
-from openrlhf_load import CHATML, CRITERIA, export, samples
-
-PROBE_EVERY = 0.5
-ATTACKER = "127.0.0.2"
-
-
-def rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from serving import (ATTACKER, CHATML, CRITERIA, concurrently, export, machine,
+                     raise_open_files, received, run_attacks, samples, send, start_reward_server,
+                     state_of, status_line)
 
 
 def http_post(port: int, body: bytes, source: str = "127.0.0.1", timeout: float = 60,
@@ -50,80 +37,7 @@ def http_post(port: int, body: bytes, source: str = "127.0.0.1", timeout: float 
     """One POST on a fresh connection; everything the server sent until it closed."""
     head = (f"POST /get_reward HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}Content-Type: "
             f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
-                                  source_address=(source, 0)) as s:
-        s.sendall(head.encode() + body)
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    return answer
-
-
-def status_line(answer: bytes) -> str:
-    return answer.split(b"\r\n", 1)[0].decode(errors="replace") or "(closed, nothing sent)"
-
-
-def body_line(answer: bytes) -> str:
-    return answer.split(b"\r\n\r\n", 1)[-1][:300].decode(errors="replace")
-
-
-class Watch:
-    """`probe()` (its status line) every PROBE_EVERY s, each on its own thread, and the server's
-    RSS every 0.1 s, until the block ends."""
-
-    def __init__(self, pid: int, probe):
-        self.pid, self.probe = pid, probe
-        self.latencies: list[float] = []
-        self.slow: list[tuple[float, float]] = []  # (when it started, s into the watch; latency)
-        self.statuses: Counter = Counter()
-        self.rss: list[float] = []
-        self.stop = threading.Event()
-        self.threads: list[threading.Thread] = []
-
-    def _probe(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            status = self.probe()
-        except Exception as exc:
-            status = type(exc).__name__
-        self.latencies.append(time.perf_counter() - t0)
-        if self.latencies[-1] > 1:
-            self.slow.append((round(t0 - self.started, 2), round(self.latencies[-1], 3)))
-        self.statuses[status] += 1
-
-    def _run(self) -> None:
-        next_probe = time.perf_counter()
-        while not self.stop.is_set():
-            self.rss.append(rss_mb(self.pid))
-            if time.perf_counter() >= next_probe:
-                thread = threading.Thread(target=self._probe, daemon=True)
-                thread.start()
-                self.threads.append(thread)
-                next_probe += PROBE_EVERY
-            time.sleep(0.1)
-
-    def __enter__(self) -> Watch:
-        self.started = time.perf_counter()
-        self.runner = threading.Thread(target=self._run, daemon=True)
-        self.runner.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.runner.join()
-        for thread in self.threads:
-            thread.join(timeout=70)
-
-    def report(self, attack_s: float, attacker: dict, before: float, after: float) -> dict:
-        late = sorted(self.latencies)
-        return {"attack_s": round(attack_s, 2), "attacker": attacker,
-                "probes": len(late), "probe_statuses": dict(self.statuses),
-                "probe_p50_s": round(late[len(late) // 2], 3) if late else None,
-                "probe_max_s": round(late[-1], 3) if late else None,
-                "probes_over_2s": sum(t > 2 for t in late),
-                "probes_over_1s_at": sorted(self.slow),  # [s into the attack, latency]
-                "rss_mb": {"before": round(before), "peak": round(max(self.rss, default=0)),
-                           "after": round(after)}}
+    return send(port, head.encode() + body, source, timeout)
 
 
 def sample_body(n: int, query: str, response: str, reference: str, system: str = "",
@@ -139,30 +53,6 @@ def sample_body(n: int, query: str, response: str, reference: str, system: str =
                        "prompts": [prompt] * n,
                        "labels": [{"criteria": CRITERIA, "reference": r} for r in references]
                        }).encode()
-
-
-def concurrently(jobs) -> list:
-    out: list = [None] * len(jobs)
-
-    def run(i, job):
-        try:
-            out[i] = job()
-        except OSError as exc:
-            out[i] = f"{type(exc).__name__}".encode()
-
-    threads = [threading.Thread(target=run, args=(i, j)) for i, j in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return out
-
-
-def received(answers: list[bytes]) -> dict:
-    lines = Counter(status_line(a) for a in answers)
-    example = next((body_line(a) for a in answers if a), "")
-    return {"status_lines": dict(lines), "example_body": example,
-            "max_body_lines": max((body_line(a).count("\n") + 1 for a in answers if a), default=0)}
 
 
 # -- the attacks: each returns what the attacker received -------------------------------------------
@@ -269,24 +159,6 @@ def attack_no_read(port: int, args) -> dict:
     return {**received(answers), "opened": len(held)}
 
 
-def state_of(s: socket.socket) -> bytes:
-    """What a held connection shows, read without blocking: what the server sent and whether it
-    closed the connection (or dropped it), or that it is still open."""
-    s.setblocking(False)
-    data = b""
-    try:
-        while chunk := s.recv(65536):
-            data += chunk
-        state = b"closed by the server"
-    except BlockingIOError:
-        state = b"still open"
-    except OSError as exc:
-        state = f"dropped by the server ({type(exc).__name__})".encode()
-    s.close()
-    first = data.split(b"\r\n", 1)[0]
-    return b"(" + state + (b" after: " + first if first else b"") + b")"
-
-
 ATTACKS = {"split": attack_split, "legal": attack_legal, "bombs": attack_bombs,
            "surrogate": attack_surrogate, "silent": attack_silent, "heads": attack_heads,
            "no_read": attack_no_read}
@@ -298,12 +170,10 @@ def main() -> None:
     p.add_argument("--hold", type=float, default=12.0, help="seconds the holding attacks hold")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds for the whole run")
     args = p.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 4,200 sockets here and there
+    raise_open_files()  # 4,200 sockets here and there
     torch.set_num_threads(1)
     started = time.perf_counter()
     load_before = os.getloadavg()
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         from crm.data.demo import write_demo
 
@@ -312,43 +182,22 @@ def main() -> None:
         crm_dir = export(Path(tmp), rows)
         log_path = Path(tmp) / "server.log"
         with open(log_path, "w") as log:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "crm.rl.openrlhf", str(crm_dir), "--port", "0",
-                 "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                stdout=subprocess.PIPE, stderr=log, text=True)
+            server, url = start_reward_server(crm_dir, stderr=log)
         try:
-            url = server.stdout.readline().split(" on ")[-1].strip()
             port = int(url.rsplit(":", 1)[1].split("/")[0])
             query, response, reference = rows[0]
             probe = sample_body(1, query, response, reference)
             assert status_line(http_post(port, probe)).endswith("200 OK")  # warm-up
-            for name in args.only:
-                if time.perf_counter() - started > args.deadline:
-                    results[name] = {"skipped": "past --deadline"}
-                    continue
-                time.sleep(2)
-                log_before = log_path.read_text(errors="replace").count("Traceback")
-                before = rss_mb(server.pid)
-                with Watch(server.pid, lambda: status_line(http_post(port, probe))) as watch:
-                    t0 = time.perf_counter()
-                    attacker = ATTACKS[name](port, args)
-                    attack_s = time.perf_counter() - t0
-                    time.sleep(3)  # recovery, still probed
-                results[name] = watch.report(attack_s, attacker, before, rss_mb(server.pid))
-                results[name]["tracebacks_in_log"] = (
-                    log_path.read_text(errors="replace").count("Traceback") - log_before)
-                print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+            results = run_attacks(server, log_path, lambda: status_line(http_post(port, probe)),
+                                  ATTACKS, args.only, lambda attack: attack(port, args),
+                                  deadline=started + args.deadline)
         finally:
             server.terminate()
             server.wait(timeout=30)
         log_lines = log_path.read_text(errors="replace").splitlines()
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), "unknown")
     print(json.dumps({"server": "crm.rl.openrlhf", "attacks": results,
                       "server_log_lines": len(log_lines),
-                      "machine": {"cpu": model, "cpus": os.cpu_count(), "server_threads": 1,
-                                  "loadavg_before": [round(x, 2) for x in load_before],
-                                  "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+                      "machine": machine(load_before, server_threads=1),
                       "wall_s": round(time.perf_counter() - started, 1)}, indent=1))
 
 

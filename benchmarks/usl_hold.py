@@ -20,11 +20,8 @@ import argparse
 import json
 import os
 import re
-import resource
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -32,24 +29,12 @@ from pathlib import Path
 
 import httpx
 import torch
-from openrlhf_load import export, samples
-from server_hold import ATTACKER, Watch, concurrently, received, rss_mb, state_of
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving import (ATTACKER, concurrently, export, machine, raise_open_files, received,
+                     run_attacks, samples, send, start_usl, state_of)
 
 
 def raw(port: int, data: bytes, source: str = ATTACKER, timeout: float = 30) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
-                                  source_address=(source, 0)) as s:
-        s.sendall(data)
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    return answer
+    return send(port, data, source, timeout)
 
 
 def rank_probe(url: str):
@@ -212,11 +197,9 @@ def main() -> None:
     p.add_argument("--only", nargs="+", choices=list(ATTACKS), default=list(ATTACKS))
     p.add_argument("--hold", type=float, default=15.0, help="seconds the holding attacks hold")
     args = p.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_files()
     torch.set_num_threads(1)
     started, load_before = time.perf_counter(), os.getloadavg()
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         from crm.data.demo import write_demo
 
@@ -229,51 +212,21 @@ def main() -> None:
         args.upload_dir = temp["GRADIO_TEMP_DIR"]
         args.topics = sorted({json.loads(line)["topic"]
                               for line in (work / "demo" / "bench.jsonl").read_text().splitlines()})
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log_path = work / "server.log"
-        with open(log_path, "w") as log:
-            server = subprocess.Popen(
-                [str(Path(sys.executable).parent / "crm-usl"), f"checkpoint={crm_dir}",
-                 f"bench={work / 'demo' / 'bench.jsonl'}", "baseline=baseline", f"port={port}",
-                 f"cache.dir={work / 'cache'}", f"hydra.run.dir={work / 'run'}"],
-                stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in temp.items()}})
+        server, url, log_path = start_usl(
+            work, f"checkpoint={crm_dir}", f"bench={work / 'demo' / 'bench.jsonl'}",
+            "baseline=baseline", env={"OMP_NUM_THREADS": "1", **{k: str(v) for k, v in temp.items()}})
+        port = int(url.rsplit(":", 1)[1])
         try:
-            deadline = time.perf_counter() + 300
-            while time.perf_counter() < deadline:
-                try:
-                    if httpx.get(f"{url}/gradio_api/info", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.5)
             probe = rank_probe(url)
             assert probe().endswith("200"), log_path.read_text()[-2000:]
-            for name in args.only:
-                time.sleep(2)
-                log_before = log_path.read_text(errors="replace").count("Traceback")
-                before = rss_mb(server.pid)
-                with Watch(server.pid, probe) as watch:
-                    t0 = time.perf_counter()
-                    attacker = ATTACKS[name](port, url, args)
-                    attack_s = time.perf_counter() - t0
-                    time.sleep(3)
-                results[name] = watch.report(attack_s, attacker, before, rss_mb(server.pid))
-                results[name]["tracebacks_in_log"] = (
-                    log_path.read_text(errors="replace").count("Traceback") - log_before)
-                print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+            results = run_attacks(server, log_path, probe, ATTACKS, args.only,
+                                  lambda attack: attack(port, url, args))
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(timeout=60)
         left = [str(p.relative_to(work)) for d in temp.values() for p in d.rglob("*")]
     print(json.dumps({"server": "crm-usl", "attacks": results, "left_in_temp_after_exit": left[:20],
-                      "left_count": len(left),
-                      "machine": {"cpu": next((line.split(":", 1)[1].strip()
-                                               for line in open("/proc/cpuinfo")
-                                               if line.startswith("model name")), "unknown"),
-                                  "cpus": os.cpu_count(),
-                                  "loadavg_before": [round(x, 2) for x in load_before],
-                                  "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+                      "left_count": len(left), "machine": machine(load_before),
                       "wall_s": round(time.perf_counter() - started, 1)}, indent=1))
 
 

@@ -29,8 +29,6 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from serving import machine, start_usl
 
 ROOT = Path(os.environ.get("CRM_ROOT", "."))
 TARGETS = {"uncached_p50_s": 2.0, "cached_p95_ms": 100.0}
@@ -86,35 +85,6 @@ def summary(seconds: list[float], unit: str = "s") -> dict:
     return {"n": len(values), f"p50_{unit}": round(float(np.percentile(values, 50)), 3),
             f"p95_{unit}": round(float(np.percentile(values, 95)), 3),
             f"max_{unit}": round(float(values.max()), 3)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, work: Path) -> tuple[subprocess.Popen, str]:
-    url = f"http://127.0.0.1:{free_port()}"
-    crm_usl = Path(sys.executable).parent / "crm-usl"
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(crm_usl), f"checkpoint={args.checkpoint}", f"bench={args.bench}",
-         f"baseline={args.baseline}", f"port={url.rsplit(':', 1)[1]}",
-         f"cache.dir={work / 'cache'}", f"hydra.run.dir={work / 'run'}"],
-        stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while time.time() < deadline:  # poll the API info route until the server answers
-        if proc.poll() is not None:
-            sys.exit(f"crm-usl exited: {(work / 'server.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/gradio_api/info", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit("crm-usl did not start within 300 s")
 
 
 def while_scoring_phase(args, url: str, topics: list[str], pool: list[str],
@@ -243,7 +213,8 @@ def main() -> None:
     load_before = os.getloadavg()
     deadline = time.time() + args.deadline
     with tempfile.TemporaryDirectory(prefix="usl-load-") as work:
-        proc, url = start_server(args, Path(work))
+        proc, url, _ = start_usl(Path(work), f"checkpoint={args.checkpoint}",
+                                 f"bench={args.bench}", f"baseline={args.baseline}")
         try:
             with httpx.Client(timeout=args.deadline) as http:
                 pool = [f"I prefer answers of kind {i}." for i in range(args.uncached)]
@@ -276,8 +247,7 @@ def main() -> None:
                     "cached_p95_ms<=100": cached_p95 <= TARGETS["cached_p95_ms"],
                     "cached_while_scoring_p95_ms<=100": (while_p95 is not None and
                                                          while_p95 <= TARGETS["cached_p95_ms"])},
-        "machine": {"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+        "machine": machine(load_before),
     }, indent=1))
 
 
