@@ -68,21 +68,27 @@ def evaluate(composed: DictConfig) -> dict:
         raise ConfigError(f"criteria={cfg.criteria}: a benchmark's criteria (benchmark=NAME); "
                           "test records carry their own")
     check_test_files(paths, "data.test")
-    # Read and checked whole before the model loads: a file not in its layout stops here.
-    benchmark = cfg.benchmark and load_benchmark(cfg.benchmark, criteria_override(cfg.criteria))
     check_not_another_run(run_dir / "metrics.json", cfg)
-    save_run_record(composed)
-    scorer = load_scorer(cfg, run_dir)
-    from crm.evaluation.accuracy import evaluate_files  # torch: not for --help or a refusal
-
+    # engine=local: the benchmark read and checked whole before the model loads, so that a file
+    # not in its layout stops here. engine=ray: Ray and its workers start first, while the
+    # benchmark is read (such a file still stops the command at once: closing the scorer does
+    # not wait for the start).
+    scorer = load_scorer(cfg, run_dir) if cfg.engine.name == "ray" else None
     try:
+        benchmark = cfg.benchmark and load_benchmark(cfg.benchmark, criteria_override(cfg.criteria))
+        save_run_record(composed)
+        if scorer is None:
+            scorer = load_scorer(cfg, run_dir)
+        from crm.evaluation.accuracy import evaluate_files  # torch: not for --help or a refusal
+
         metrics, predictions = evaluate_files(scorer, paths)
         result = {"model": str(cfg.checkpoint), "kind": scorer.kind, "files": metrics}
         if benchmark:
             # the bar where the scorer's would show: on a terminal only (load_scorer)
             result["benchmark"] = run_benchmark(scorer, benchmark, run_dir, progress=scorer.progress)
     finally:
-        close_scorer(scorer)
+        if scorer is not None:
+            close_scorer(scorer)
     result["wall_seconds"] = round(time.time() - started, 1)
     write_json(run_dir / "metrics.json", result)
     if paths:

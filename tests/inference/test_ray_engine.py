@@ -306,9 +306,15 @@ def cli_on_pool(pool, monkeypatch):
 
 
 def test_crm_eval_on_a_test_file_and_a_benchmark_equals_engine_local(cli_on_pool, pairwise_export,
-                                                                     demo_root, tmp_path):
+                                                                     demo_root, tmp_path,
+                                                                     monkeypatch):
+    import crm.cli.eval
     from crm.cli.eval import evaluate
 
+    read = crm.cli.eval.load_benchmark
+    started_before_reading = []
+    monkeypatch.setattr(crm.cli.eval, "load_benchmark", lambda *args: (
+        started_before_reading.append(len(cli_on_pool)), read(*args))[1])
     tests = demo_files(demo_root)[0][:1]
     common = [f"checkpoint={pairwise_export}", f"data.test=[{','.join(tests)}]", "benchmark=pairs",
               f"benchmark.path={tests[0]}", 'criteria=["I prefer short answers."]', "progress=false"]
@@ -317,6 +323,7 @@ def test_crm_eval_on_a_test_file_and_a_benchmark_equals_engine_local(cli_on_pool
                                         "engine.block_prompts=8"], tmp_path / "ray")
     (load, config), = cli_on_pool
     assert load == ScorerLoader(str(pairwise_export), 32) and config.block_prompts == 8
+    assert started_before_reading == [0, 1]  # local: read, then load; ray: Ray starts, then read
     for path in tests:  # every figure equal
         assert spread["files"][path] == local["files"][path]
     assert {k: v for k, v in spread["benchmark"].items() if k != "forwards"} == \
