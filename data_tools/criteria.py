@@ -250,8 +250,8 @@ async def ask(client, vote: Vote, prompt: CriteriaPrompt, cfg: AskConfig, tally:
         tally.requests += 1
         try:
             # The body of chat.completions.create(**body), posted as it is: create() first walks it
-            # against its typed parameters, a quarter of the client's CPU per vote (1.73 -> 1.31 ms,
-            # benchmarks/criteria_throughput.py), which caps the rate when cores are busy.
+            # against its typed parameters, a large share of the client's CPU per vote
+            # (docs/DATA_PIPELINE.md section 2), which caps the rate when cores are busy.
             response = await client.post("/chat/completions", body=body, cast_to=ChatCompletion)
         except openai.APIError as exc:
             status = getattr(exc, "status_code", None)

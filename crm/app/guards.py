@@ -2,8 +2,8 @@
 route cut to what the page uploads, its event streams bounded in number and lifetime, API results
 left unread bounded in number and age, and its sessions bounded in number and idle time.
 
-Gradio's upload route writes every file it is given to disk, in a directory per request (24 x
-900 distinct 1 KB files took 19,837 of 20,000 descriptors); the page uploads one small file, the
+Gradio's upload route writes every file it is given to disk, in a directory per request (a flood
+of many-file uploads takes the process's file descriptors); the page uploads one small file, the
 votes of its calibration step, so a request may carry one file of at most `upload_bytes`, whose
 body must arrive within `read_timeout` seconds. The guard keeps the paths Gradio answers for each
 upload and the address that sent it: while `uploads` of those files are still held, or
@@ -14,7 +14,7 @@ upload folder and its cache only, so the page's downloads would be refused, and 
 folder by `allowed_paths` would serve an uploaded HTML file inline.)
 Gradio serves event streams that run until the client leaves (a session's heartbeat, the queue's
 events, an API call's result), and keeps every API call's result until its caller reads it (`POST
-/call/rank`, then `GET /call/rank/{event_id}`): 2,000 results never read held 239 MB. All are
+/call/rank`, then `GET /call/rank/{event_id}`): results never read pile up. All are
 refused or bounded here, before Gradio sees the request; crm/core/http.py bounds what every
 request may send and take.
 
@@ -23,7 +23,7 @@ the page has gone (gradio 6.31: `StateHolder.session_data`, a copy of the page's
 about 115 KB for this page, up to 10,000 sessions; the queue's `pending_messages_per_session`,
 the answers not yet read, and `pending_event_ids_session`): `/queue/join`, `/run/...`, `/api/...`
 and `/call/...` take the id from the request's JSON body, and an API call that names none gets a
-session of its own, its event id, kept after its result is read (3,000 sessions held 270 MB).
+session of its own, its event id, kept after its result is read (each holds memory until then).
 Sessions bounds them (SessionGuard, behind the body's limit, reads the id) and forgets what
 Gradio holds of a session idle for its lifetime, or of an API call's own once its result is read
 or dropped. `/component_server` (which also makes a session, from a form too) serves components

@@ -2,14 +2,14 @@
 the objects of its start left out of the garbage collector's full passes.
 
 glibc's malloc keeps what a thread freed in that thread's arena for reuse, so a server's resident
-size stays at its peak after one large request has come and gone (issue 45 measured 1.2-1.4 GB
-above the start). `malloc_trim(0)` returns the free pages of every arena; elsewhere it is a no-op.
+size stays at its peak after one large request has come and gone (docs/RL.md "OpenRLHF" has the
+figures). `malloc_trim(0)` returns the free pages of every arena; elsewhere it is a no-op.
 
 Python's full collection walks every object the collector tracks, and a server that has imported
-torch and transformers and loaded its model holds about 400,000: each pass held the event loop for
-0.5 s (1-1.5 s on a loaded machine), and the 4,200 connections of a flood set off two of them,
-so probes waited up to 3.5 s. Those objects live as long as the server; `gc.freeze()` moves them
-out of the collector's sight, and a pass then walks only what came after (0.03-0.16 s).
+torch and transformers and loaded its model holds hundreds of thousands: each pass holds the event
+loop, and the connections of a flood set off such passes, so probes wait (docs/RL.md "OpenRLHF",
+benchmarks/gc_pause.py). Those objects live as long as the server; `gc.freeze()` moves them out of
+the collector's sight, and a pass then walks only what came after.
 """
 from __future__ import annotations
 

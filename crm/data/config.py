@@ -25,7 +25,7 @@ def resolve_packing(setting, device_type: str, mode: str) -> bool:
     """`stream.packing` for a `mode` run on `device_type`: auto = where it was measured faster
     (docs/PERFORMANCE.md section 5): on CUDA, pairwise and pointwise. On CPU rows stay padded: at
     the demo's sizes with torch's two threads the gathered views cost what the shared prefix and
-    the padding save (pointwise 0.99x, pairwise 0.92x on a quiet 2-core machine). `mode` is
+    the padding save (docs/PERFORMANCE.md section 5 has the figures). `mode` is
     part of the question, as the measurements were per mode. Here, beside the setting, and not
     with the packed kernels (crm.models.packing): a plan or a refusal needs no transformers."""
     check_packing(setting)

@@ -184,7 +184,7 @@ def judge(scorer, selection: Selection, criteria: Sequence[str],
     owners = pairs(selection, criteria)
     examples = [e for _, _, e in owners]
     probs = scorer.pair_probabilities(examples, unfit="nan", both_orders=both_orders)
-    # One test over the whole tensor: a test per row took 0.28 s per 10,000 rows (profiled).
+    # One test over the whole tensor: a test per row costs time at scale (docs/PERFORMANCE.md 12).
     unscored = probs.isnan().any(dim=1).tolist()
     unfit = [e.key for e, nan in zip(examples, unscored) if nan]
     left_out = {idx for (idx, _, _), nan in zip(owners, unscored) if nan}

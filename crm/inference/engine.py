@@ -147,8 +147,8 @@ def plan_blocks(group_keys: Sequence, block_prompts: int,
 
     A worker's scorer sorts its block's rows by length into batches, as one process sorts all of
     them: blocks of like-length groups keep its batches' padding near one process's (blocks of
-    groups as they come padded 13% more tokens than one process on the demo board, in blocks of 8
-    groups), and the longest blocks going out first leave short ones for the end."""
+    groups as they come pad more: docs/PERFORMANCE.md section 12), and the longest blocks going
+    out first leave short ones for the end."""
     groups: dict = {}
     for i, key in enumerate(group_keys):
         groups.setdefault(key, []).append(i)

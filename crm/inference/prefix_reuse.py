@@ -27,10 +27,9 @@ from crm.models.heads import head_at
 
 # The prefix path costs a copy of the cached keys/values per row, attention with an explicit mask
 # and padding in two places: a group takes it only when it saves at least this share of its tokens
-# (on CPU, a pointwise test pair, criteria + query shared by two responses, saves a quarter of its
-# tokens yet ran 15-40% slower, its two-row groups padding worse than length-sorted batches; a
-# leaderboard query with 8 candidates saves about 55% and ran 1.5-2.3x faster,
-# benchmarks/leaderboard_prefix.py).
+# (a pointwise test pair, criteria + query shared by two responses, saves too few to pay for them,
+# its two-row groups padding worse than length-sorted batches; a leaderboard query with 8
+# candidates saves enough: docs/PERFORMANCE.md section 6 has the figures).
 PREFIX_MIN_SAVING = 1 / 3
 
 

@@ -1,8 +1,8 @@
 """Each Qwen3 decoder layer compiled in place with torch.compile (inductor), for training and scoring.
 
 Why: on an H100 the eager step spends most of its time outside the matmuls, in the decoder layer's
-elementwise work (RMSNorm in float32, RoPE, SwiGLU); compiling each layer fuses it, and keeps about
-a third less for backward (docs/PERFORMANCE.md sections 4 and 9).
+elementwise work (RMSNorm in float32, RoPE, SwiGLU); compiling each layer fuses it, and keeps less
+for backward (docs/PERFORMANCE.md sections 4 and 9 have the figures).
 
 - Per layer, in place (`layer.compile`): all decoder layers share one code and, in crm's calls
   (no KV cache, so no read of the layer index), one set of guards, so one compiled graph serves

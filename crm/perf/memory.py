@@ -46,8 +46,8 @@ left out) over Qwen3 layers of several shapes, fitted exactly by the form
 (benchmarks/activation_inventory.py prints them; tests/perf/test_plan.py checks the eager forms
 against a live count). Eagerly HF's RMSNorm keeps float32 copies of its input, q/k-norm float32
 copies of q and k; compiled, inductor's partitioner recomputes the cheap elementwise work in
-backward and keeps 35-43% less. Outside the layers (`REST_BYTES`): the final norm, RoPE's
-cos/sin (per position) and the head's few rows.
+backward and keeps less (docs/PERFORMANCE.md section 4). Outside the layers (`REST_BYTES`): the
+final norm, RoPE's cos/sin (per position) and the head's few rows.
 - without activation checkpointing: every layer's set, L x layer + rest, per token;
 - with: each layer keeps only its input (h per token in the residual stream's dtype) and one
   layer at a time recomputes its set during backward: L x h x r + layer + rest.
@@ -77,7 +77,7 @@ parameter of the checkpoint (2: Qwen3 releases are bf16), p = of the parameters:
 - random init (model.arch, no path): every rank builds the whole model in host memory from the
   seed, then shards it: D x P x p.
 Neither counts what every process holds anyway (Python, torch, transformers, Lightning imported:
-0.43 GiB measured on CPU by benchmarks/load_memory.py; plus the CUDA context on a GPU).
+benchmarks/load_memory.py measures it: SLURM.md "Loading pretrained weights"; plus the CUDA context).
 """
 from __future__ import annotations
 
