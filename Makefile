@@ -64,15 +64,9 @@ $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 # The whole suite, the end-to-end tests marked slow included, on two pytest-xdist workers
-# (docs/TESTING.md: how, and the figures). On a fresh clone of the 2-core AMD EPYC, quiet,
-# 2026-11-26: 508 s of tests in one process before (929 tests); 414 s on two workers with 1,026;
-# 432-437 s with 1,055 (round 2), 502-510 s for bash .ci/run; round 3, 1,057 tests: 361 s when
-# the machine's inductor cache holds the compiled tests' kernels, 387-405 s when they are built;
-# round 4, 1,067 tests: 390-394 s, 462 s for bash .ci/run (a clone at a new path always builds
-# them: the venv's path is in each kernel's key, docs/TESTING.md); round 5, 1,067 tests, kernels
-# built: 364-390 s (344.6-353.1 s with them in the cache, a clone at a path used before).
+# (docs/TESTING.md: how it runs and what it costs).
 # `$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"` leaves the
-# slow ones out while you work (146 s for 1,043 tests, round 5).
+# slow ones out while you work.
 test: install $(CHROMIUM)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 

@@ -7,8 +7,7 @@ starts nothing. A worker holds the cores shared for each other test and alone fo
 one (flock on files of the run); a worker waiting to hold them alone says so first (`waiting`)
 and then takes the gate, and no worker starts a test while the other waits: neither can starve
 it by starting test after test, the worker that held the cores alone last included (flock wakes
-waiters in no set order: round 5 measured a 10 s test started in a waiter's turn). Without xdist
-the lock is not used.
+waiters in no set order). Without xdist the lock is not used.
 """
 from __future__ import annotations
 
@@ -76,9 +75,8 @@ def pytest_collection_modifyitems(config, items):
     (a file not there: its tests at the median test's seconds), and in a file its both_cores
     tests first. A both_cores test waits for the other worker's test in progress to end, a core
     idle meanwhile: run while the other worker is in the same kind of file, it waits for little
-    (round 5 measured 32 s idle for a both_cores test behind its file's other tests, the other
-    worker by then in the longest test of all); and a long file started last would leave a core
-    idle at the end (the longest-first rule of scheduling)."""
+    (behind its file's other tests it could wait for the other worker's longest test); and a long
+    file started last would leave a core idle at the end (the longest-first rule of scheduling)."""
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     per_file, per_test = recorded.get("per_file", {}), recorded.get("median_test_seconds", 0.0)
     counts = collections.Counter(item.nodeid.split("::")[0] for item in items)

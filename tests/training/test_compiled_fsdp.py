@@ -3,9 +3,8 @@ gradients, and packed rows the padded rows', eager and compiled, pairwise and po
 
 Its own file, apart from tests/training/test_compiled_training.py's one-process runs: a file is
 one xdist worker's (tests/conftest.py), and a test that does not hold both cores, run after this
-one in its file, kept the other worker's both_cores test waiting (11.5 s with the kernels built,
-docs/TESTING.md round 5). The layer is tests/helpers.py's COMPILE_ARCH, as in
-tests/models/test_compile.py.
+one in its file, kept the other worker's both_cores test waiting (docs/TESTING.md). The layer is
+tests/helpers.py's COMPILE_ARCH, as in tests/models/test_compile.py.
 """
 from __future__ import annotations
 
