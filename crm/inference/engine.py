@@ -476,14 +476,26 @@ def start_local(num_cpus: int, object_store_mib: int, **kwargs) -> None:
     Token authentication is asked for explicitly: what Ray does for a local start anyway, minus
     the warning it prints on every run when the mode is left unset (docs/DESIGN.md section 8.5)."""
     ray = import_ray()
-    from ray._private.authentication import authentication_token_setup as auth
-
-    if auth.AUTH_MODE_ENV_VAR not in os.environ:  # a mode the user set is theirs
-        auth._enable_token_auth()  # the variable, and Ray's cached config re-read (as Ray does)
-    with _single_machine():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+    _token_auth(local=True)
+    with _single_machine():  # address "local": a new Ray, even where `ray start` made one here
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 _node_ip_address="127.0.0.1",
                  object_store_memory=object_store_mib * 2**20, logging_level=logging.WARNING,
                  configure_logging=False, **kwargs)
+
+
+def _token_auth(local: bool) -> None:
+    """Ray's token authentication, asked for as Ray would turn it on by itself (a local start; a
+    cluster joined with a token on this machine), minus the warning Ray prints on every run when
+    `RAY_AUTH_MODE` is unset. A mode the user set is theirs; without a token, a join is left to
+    Ray (which warns, rightly, that the cluster it joins has no authentication)."""
+    from ray._private.authentication import authentication_token_setup as auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    if auth.AUTH_MODE_ENV_VAR in os.environ:
+        return
+    if local or AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        auth._enable_token_auth()  # the variable, and Ray's cached config re-read (as Ray does)
 
 
 def _loopback(address: str) -> bool:
@@ -515,6 +527,7 @@ def connect(config: EngineConfig) -> bool:
         if address is None:
             start_local(os.cpu_count() or 1, config.object_store_mib)
             return True
+        _token_auth(local=False)
         try:
             with _single_machine() if _loopback(address) else contextlib.nullcontext():
                 ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
@@ -558,16 +571,22 @@ class WorkerPool:
         self._owns_ray = False
         self._error: BaseException | None = None
         self._sized, self._ready = threading.Event(), threading.Event()
-        self._closing = False
-        self._close_lock = threading.Lock()
+        self._closing, self._close = False, threading.Event()
         self.started_at = time.perf_counter()
         self.startup_seconds = None
-        self._thread = threading.Thread(target=self._start, name="crm-ray-start", daemon=False)
+        # Daemon: a command that exits without close() is not held by it (Ray's processes end
+        # with the process, as after a ray.init that was never shut down).
+        self._thread = threading.Thread(target=self._run, name="crm-ray", daemon=True)
         self._thread.start()
         if wait:
             self.wait()
 
-    def _start(self) -> None:
+    def _run(self) -> None:
+        """The pool's life, in its own thread: Ray started (or joined), the workers asked for and
+        waited for, then held until close() and stopped. The thread lives as long as Ray does:
+        the processes a local start spawns die with the thread that spawned them (Ray sets their
+        parent-death signal, which Linux ties to the spawning thread), so a thread that started
+        Ray and returned would take Ray down with it."""
         import ray
 
         try:
@@ -581,8 +600,9 @@ class WorkerPool:
         finally:
             self._sized.set()
             self._ready.set()
-            if self._closing or self._error is not None:
-                self._stop()
+        if self._error is None:
+            self._close.wait()
+        self._stop()
 
     def _create(self, ray) -> None:
         config = self.config
@@ -717,32 +737,31 @@ class WorkerPool:
     # -- stopping ----------------------------------------------------------------------------------
 
     def close(self, wait: bool = True) -> None:
-        """The workers stopped; a Ray this pool started, shut down. A pool still starting is
-        stopped by its start once that returns (Ray's own start cannot be interrupted): with
-        `wait`, after waiting for it; without, at once (the refusal that closes it is said now)."""
+        """The workers stopped; a Ray this pool started, shut down (by the pool's thread). A pool
+        still starting stops once Ray's own start returns (it cannot be interrupted), a worker
+        still loading included: with `wait`, after waiting for that; without, at once (the
+        refusal that closes it is said now)."""
         self._closing = True
-        if self._ready.is_set():
-            self._stop()
-        elif wait:
+        self._close.set()
+        if wait:
             self._thread.join()
 
     def join(self) -> None:
-        """Its start (and a close it was left to do) over."""
+        """Its start, and a close it was asked for, over."""
         self._thread.join()
 
     def _stop(self) -> None:
         import ray
 
-        with self._close_lock:
-            for actor in self.actors:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # Ray gone already
-                    pass
-            self.actors = []
-            if self._owns_ray and ray.is_initialized():
-                ray.shutdown()
-            self._owns_ray = False
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # Ray gone already
+                pass
+        self.actors = []
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
 
 
 class _Closed(Exception):
@@ -955,10 +974,10 @@ class RayScorer:
         write_json(self.run_dir / "engine.json", {**self.pool.describe(), "tasks": self.tasks})
 
     def close(self) -> None:
-        """The pool stopped, where this scorer started it (without waiting for a start still
-        under way: its thread stops what it started)."""
+        """The pool stopped, where this scorer started it; a start still under way is not
+        waited for (the pool's thread stops what it started)."""
         if self.owns_pool:
-            self.pool.close(wait=False)
+            self.pool.close(wait=self.pool._ready.is_set())
 
 
 class _BlockRun:
