@@ -14,13 +14,15 @@ holding `nan:...`. The 2-node cluster of launch/score.sbatch is tests/launch/tes
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -50,31 +52,33 @@ TWO_WORKERS = EngineConfig(name="ray", workers=2, block_prompts=1, block_attempt
 CPUS = 6  # logical: the module's pool (2), a test's own pool and a crm-leaderboard's (1 each)
 
 
-class Said(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[str] = []
-
-    def emit(self, record):
-        self.records.append(record.getMessage())
+def stderr_of(function) -> str:
+    """What `function()` wrote to stderr: sys.stderr (where Ray's log handler writes, pytest's
+    capture included) and file descriptor 2."""
+    with tempfile.TemporaryFile() as err, contextlib.redirect_stderr(io.StringIO()) as text:
+        sys.__stderr__.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            function()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        return text.getvalue() + err.read().decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One small local Ray for the module, started as engine=ray starts one; what Ray logged as it
-    started. Its workers import this module (a test's loader is pickled by reference), so they
+    """One small local Ray for the module, started as engine=ray starts one; what it wrote to
+    stderr as it started. Its workers import this module (a test's loader is pickled by reference), so they
     get the tests' folders on PYTHONPATH."""
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS), str(TESTS / "inference"), *([path] if path else [])])
-    said = Said()
-    logging.getLogger().addHandler(said)
+    said = stderr_of(lambda: start_local(CPUS, 100, log_to_driver=False))
     try:
-        start_local(CPUS, 100, log_to_driver=False)
-    finally:
-        logging.getLogger().removeHandler(said)
-    try:
-        yield said.records
+        yield said
     finally:
         ray.shutdown()
         if path is None:
@@ -232,6 +236,13 @@ def test_a_failed_block_is_redone_on_another_worker_on_another_node():
     run.given[2] = []
     run._give()
     assert run.given[2] == [0]
+    # One node: another worker of it, though the one it failed on is empty first.
+    run = block_run(2)
+    run.queue.clear()
+    run.failures[0] = [(0, "n0", "worker 0 at n0: no reply within 4 s")]
+    run.alone.append(0)
+    run._give()
+    assert run.given == {0: [], 1: [0]}
     # Failed on every worker up: any of them, rather than waiting for ever.
     run = block_run(2)
     run.queue.clear()
@@ -493,6 +504,9 @@ def test_blocks_of_other_rows_in_the_run_dir_are_refused(pool, pairwise_export, 
                                                          tmp_path):
     examples = board_examples(demo_files(demo_root)[1])
     ray_scorer(pool, pairwise_export, tmp_path / "run").pair_probabilities(examples[:4])
+    plan = json.loads((tmp_path / "run" / "blocks" / "001-pairs" / "plan.json").read_text())
+    # what the workers resolved, not the settings' "auto"
+    assert plan["fingerprint"]["dtype"] == "float32" and plan["fingerprint"]["device"] == "cpu"
     with pytest.raises(ConfigError, match=r"finished blocks of another scoring \(their rows differ\)"):
         ray_scorer(pool, pairwise_export, tmp_path / "run").pair_probabilities(examples)
     other = [replace(e, criteria=("I prefer long answers.",)) for e in examples[:4]]
@@ -529,7 +543,7 @@ def test_a_run_dir_of_another_scoring_is_refused_before_the_workers_are_up(
 def test_a_local_ray_listens_on_loopback_only_and_says_no_token_warning(local_ray):
     import psutil
 
-    assert not [m for m in local_ray if "Token authentication" in m], local_ray
+    assert "Token authentication" not in local_ray, local_ray
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     listening = []
     for process in psutil.Process().children(recursive=True):
