@@ -102,7 +102,7 @@ def describe(exc: HydraException) -> str:
         # Hydra's grammar takes letters, digits and a few symbols unquoted: an emoji, a space or
         # a quote mark in a value needs the value quoted, and its message does not say so.
         return (f"{exc.override}: not an override Hydra can read; quote a value holding spaces, "
-                "emoji or punctuation: 'key=\"value\"' (README, \"Commands\")")
+                "emoji or punctuation: 'key=\"value\"' (docs/COMMANDS.md)")
     if isinstance(exc, MissingConfigException):
         options = getattr(exc, "options", None)
         found = f" (options: {', '.join(options)})" if options else ""

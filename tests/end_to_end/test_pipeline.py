@@ -131,7 +131,7 @@ def arena_csv_from_demo(records: list[dict], path: Path) -> dict[tuple, tuple]:
 
 @pytest.mark.slow
 def test_votes_to_a_crm_that_reads_criteria(tmp_path, monkeypatch, capsys):
-    """Also a newcomer's walk (README, "Your own small data"): validate, shard, train, then crm-eval
+    """Also a newcomer's walk (README, "Bring your own data"): validate, shard, train, then crm-eval
     and crm-leaderboard on the export (in process: the console scripts' one-line errors are
     tests/cli/test_first_hour.py's)."""
     raw = tmp_path / "raw"
