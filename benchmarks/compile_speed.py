@@ -44,7 +44,7 @@ def batches(tmp: str, micro_batch: int, count: int, vocab_size: int):
     shard([f"{tmp}/raw/train.jsonl"], f"{tmp}/shards", shard_size=1000)
     texts = training_texts(load_manifest(f"{tmp}/shards").shards("train"), PromptTemplate())
     tokenizer = train_bpe_tokenizer(texts, vocab_size)  # as crm-train trains the tiny model's
-    data = CRMDataModule(f"{tmp}/shards", tokenizer,
+    data = CRMDataModule(load_manifest(f"{tmp}/shards"), tokenizer,
                          StreamConfig(batch_size=micro_batch, mode="pairwise", max_tokens=512,
                                       packing=False),
                          TransformConfig(direction="original"))

@@ -108,7 +108,7 @@ def crm_run(kind: str, manifest_dir: str, tokenizer, arch: dict, args, packing: 
     transform = TransformConfig(direction="original", noise="none", swap_prob=0.0)
     stream = StreamConfig(batch_size=args.batch_size, mode=kind, max_tokens=args.max_tokens,
                           num_workers=args.num_workers, packing=packing)
-    data = CRMDataModule(manifest_dir, tokenizer, stream, transform)
+    data = CRMDataModule(load_manifest(manifest_dir), tokenizer, stream, transform)
     make = lambda: build_crm(ModelConfig(arch=arch, attention="sdpa"), LossConfig(kind),  # noqa: E731
                              num_labels=2, pad_token_id=tokenizer.pad_token_id)
     cuda = args.device == "cuda"

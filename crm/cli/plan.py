@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -31,7 +30,7 @@ from crm.core.files import write_json
 from crm.data.transforms import TransformSettings, tie_policy
 from crm.models.config import LoraConfig, LossConfig, ModelConfig
 from crm.perf.scoring import ScoreSettings
-from crm.training.config import ParallelConfig
+from crm.training.config import BatchSettings, DeviceSettings, ParallelConfig, StartSettings
 
 
 @dataclass
@@ -98,23 +97,23 @@ class PlanConfig:
 register_schema("plan", PlanConfig)
 
 
-def planned_run(run: PlanConfig) -> SimpleNamespace:
-    """What crm-train's `resolve` (crm.training.resolve) reads of a run, as this plan states it:
-    crm-plan asks `resolve` the question crm-train asks at start, for the GPU node it plans, and
-    prints its answer (`resolved`), the record crm-train keeps. A plan without a global batch runs
-    one micro batch per optimizer step; ties as crm-train's `transform.ties=auto` decides them
+def planned_run(run: PlanConfig) -> StartSettings:
+    """The settings crm-train's `resolve` (crm.training.resolve) decides from, as this plan states
+    them: crm-plan asks `resolve` the question crm-train asks at start, for the GPU node it plans,
+    and prints its answer (`resolved`), the record crm-train keeps. A plan without a global batch
+    runs one micro batch per optimizer step; ties as crm-train's `transform.ties=auto` decides them
     (a pairwise head of three labels)."""
     world = run.trainer.num_nodes * run.trainer.devices
-    return SimpleNamespace(
-        trainer={"accelerator": "gpu", "devices": run.trainer.devices,
-                 "num_nodes": run.trainer.num_nodes, "strategy": run.strategy},
-        compile=run.compile, model=run.model, loss=LossConfig(kind=run.kind),
-        stream=SimpleNamespace(packing=run.packing, max_tokens=run.seq_len),
-        global_batch_size=run.global_batch_size or run.micro_batch_size * world,
-        micro_batch_size=run.micro_batch_size, max_micro_batch_size=run.max_micro_batch_size,
+    return StartSettings(
+        devices=DeviceSettings(accelerator="gpu", devices=run.trainer.devices,
+                               num_nodes=run.trainer.num_nodes, strategy=run.strategy),
+        batch=BatchSettings(run.global_batch_size or run.micro_batch_size * world,
+                            run.micro_batch_size, run.max_micro_batch_size),
+        model=run.model, loss=LossConfig(kind=run.kind), lora=run.lora,
         parallel=ParallelConfig(activation_checkpointing=run.activation_checkpointing,
                                 sharding=run.sharding, grad_sync=run.grad_sync),
-        lora=run.lora, transform=TransformSettings(ties=tie_policy("auto", run.kind)))
+        compile=run.compile, packing=run.packing, max_tokens=run.seq_len,
+        transform=TransformSettings(ties=tie_policy("auto", run.kind)))
 
 
 def planned_resolution(run: PlanConfig) -> dict:
@@ -122,7 +121,7 @@ def planned_resolution(run: PlanConfig) -> dict:
     from crm.training.resolve import Environment, resolve
 
     node = Environment(device="cuda", gpu_memory_gib=run.gpu_memory_gib, this_machine=False)
-    return resolve(planned_run(run), node).record()
+    return resolve(planned_run(run), environment=node).record()
 
 
 def share_note(t: dict) -> str:

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -34,8 +34,12 @@ from crm.data.transforms import DIRECTIONS, NOISES, TransformConfig, TransformSe
 from crm.evaluation.benchmarks import Benchmark, describe, load_benchmark
 from crm.models.config import LoraConfig, LossConfig, ModelConfig
 from crm.training import checks
-from crm.training.config import LoggerConfig, OptimConfig, ParallelConfig
+from crm.training.config import (BatchSettings, DeviceSettings, LoggerConfig, OptimConfig,
+                                 ParallelConfig, StartSettings)
 from crm.training.sweeps import parse_overrides
+
+if TYPE_CHECKING:
+    from crm.training.resolve import Resolved
 
 # torch, Lightning and transformers load inside `train`, once the config is composed and checked:
 # `crm-train --help` and a refused setting answer in about a second, not after four seconds of
@@ -136,6 +140,16 @@ class TrainConfig:
         self.transform = replace(self.transform, ties=tie_policy(self.transform.ties, self.loss.kind,
                                                                  self.loss.ties))
 
+    def start_settings(self) -> StartSettings:
+        """What the run's automatic choices are decided from (crm.training.resolve)."""
+        return StartSettings(
+            devices=DeviceSettings.of(self.trainer),
+            batch=BatchSettings(self.global_batch_size, self.micro_batch_size,
+                                self.max_micro_batch_size),
+            model=self.model, loss=self.loss, lora=self.lora, parallel=self.parallel,
+            compile=self.compile, packing=self.stream.packing, max_tokens=self.stream.max_tokens,
+            transform=self.transform)
+
 
 register_schema("train", TrainConfig)
 
@@ -149,21 +163,13 @@ def train(cfg: DictConfig) -> dict | None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run: TrainConfig = settings(cfg)
-    check_config(cfg)
+    check_config(run)
     later_jobs = check_sweep()
-    checks.check_trainer(run.trainer)
-    log_per_rank()  # before resolve, whose warnings go to each rank's own log
-    # One process decides its resume first: another data set's checkpoint is refused before the
-    # model's libraries load, and before the tokenizer is trained into the run dir. Ranks agree on
-    # theirs inside fit (AgreedResume), which refuses it alike.
-    from crm.training.resolve import device_type, world_size
-    from crm.training.resume import resolve_resume
-
-    resume_decided_here = world_size(run.trainer) == 1
-    resume = resolve_resume(run.resume, run_dir, run.data.path) if resume_decided_here else None
-    benchmarks, resolved, shard_dir, world = check_job(run, run_dir)
+    log_per_rank()  # before check_job, whose warnings go to each rank's own log
+    job = check_job(run, run_dir, decide_resume=True)
+    resolved = job.resolved
     check_later_jobs(later_jobs, run_dir)
-    if resume_decided_here:
+    if job.resume_decided:
         save_run_record(cfg)
 
     import lightning as L
@@ -186,33 +192,35 @@ def train(cfg: DictConfig) -> dict | None:
     L.seed_everything(run.seed, workers=True)
     if run.torch_threads:
         torch.set_num_threads(run.torch_threads)
-    tokenizer = load_or_train_tokenizer(
-        run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
-        texts=lambda: training_texts(load_manifest(shard_dir).shards("train"), run.template))
-    micro_batch, accum = resolved.micro_batch_size, resolved.accumulation
-    stream = StreamConfig(**{**asdict(run.stream), "packing": resolved.packing}, batch_size=micro_batch,
-                          gather_views=device_type(run.trainer) != "cuda",
-                          mode=run.loss.kind, seed=run.seed, template=run.template)
-    datamodule = CRMDataModule(shard_dir, tokenizer, stream, transform_config(run, accum),
-                               step_batches=accum)
-    parallel = resolved.parallel(run.parallel)
     run_config = resolved.into(OmegaConf.to_container(cfg, resolve=True))
-    make_crm = partial(build_crm, run.model, run.loss, num_labels=datamodule.transform.num_labels,
-                       pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
-                       compiled=resolved.compile, lora=run.lora)
-    lora = resolved.lora
-    module = CRMModule(make_crm, run.optim, parallel, run_config=run_config, compile=resolved.compile,
-                       lora=lora)
     sweep = sweep_info(run)
     logger = make_logger(run.logger, run_dir, run.name, sweep)
     if logger:
         logger.log_hyperparams({**run_config, "sweep": sweep or {}})
+    manifest = load_manifest(job.shard_dir)  # read once: the tokenizer's texts and the stream
+    tokenizer = load_or_train_tokenizer(
+        run.model.tokenizer or run.model.path, run_dir / "tokenizer", vocab_size=run.model.vocab_size,
+        texts=lambda: training_texts(manifest.shards("train"), run.template))
+    parallel = replace(run.parallel, sharding=resolved.sharding,  # the section as it runs
+                       timeout_minutes=resolved.timeout_minutes)
     callbacks = run_callbacks(run, run_dir, tokenizer, with_logger=bool(logger),
-                              timeout=parallel.timeout)
-    trainer = make_trainer(run.trainer, accumulation=accum, val_every_n_steps=run.val_every_n_steps,
+                              device=resolved.device, timeout=parallel.timeout)
+    accum = resolved.accumulation
+    stream = StreamConfig(**{**asdict(run.stream), "packing": resolved.packing},
+                          batch_size=resolved.micro_batch_size, gather_views=resolved.device != "cuda",
+                          mode=run.loss.kind, seed=run.seed, template=run.template)
+    datamodule = CRMDataModule(manifest, tokenizer, stream, job.transform, step_batches=accum)
+    make_crm = partial(build_crm, replace(run.model, attention=resolved.attention), run.loss,
+                       num_labels=job.transform.num_labels, pad_token_id=tokenizer.pad_token_id,
+                       vocab_size=len(tokenizer), compiled=resolved.compile, lora=run.lora)
+    module = CRMModule(make_crm, run.optim, parallel, run_config=run_config, compile=resolved.compile,
+                       lora=resolved.lora)
+    trainer = make_trainer(run.trainer, world=resolved.world_size, accumulation=accum,
+                           val_every_n_steps=run.val_every_n_steps,
                            callbacks=list(callbacks.values()), logger=logger, run_dir=run_dir,
                            parallel=parallel)
-    if not resume_decided_here:  # rank 0 decides, inside fit, once the ranks are connected
+    resume = job.resume
+    if not job.resume_decided:  # rank 0 decides, inside fit, once the ranks are connected
         resume = AgreedResume(run.resume, run_dir, run.data.path,
                               on_agreed=partial(save_run_record, cfg))
         resume.trainer = trainer
@@ -230,10 +238,10 @@ def train(cfg: DictConfig) -> dict | None:
             "resolved": resolved.record(),
             "train": {"global_step": trainer.global_step,
                       "best_val_loss": _float(best.best_model_score), "best_checkpoint": best.best_model_path,
-                      "resumed_from": resumed_from, "micro_batch_size": micro_batch,
+                      "resumed_from": resumed_from, "micro_batch_size": resolved.micro_batch_size,
                       "accumulation": accum, "world_size": trainer.world_size,
                       "per_rank_memory": callbacks["sharding"].per_rank,
-                      "lora_trainable_parameters": lora and lora["trainable_parameters"],
+                      "lora_trainable_parameters": resolved.lora and resolved.lora["trainable_parameters"],
                       "throughput": throughput.last if throughput else None,
                       "wall_seconds": round(time.time() - started, 1)},
         }
@@ -243,11 +251,11 @@ def train(cfg: DictConfig) -> dict | None:
             callbacks["export"].export(trainer, module)
             if not metrics["preempted"] and run.evaluate:
                 scorer = CRMScorer.from_export(run_dir / "export", batch_size=64)
-                metrics["shortcut_check"] = check_validation(scorer, shard_dir)
+                metrics["shortcut_check"] = check_validation(scorer, job.shard_dir)
                 if run.data.test_files:
                     metrics["eval"], _ = evaluate_files(scorer, run.data.test_files)
-                if benchmarks:
-                    metrics["benchmarks"] = score_benchmarks(scorer, benchmarks, run_dir / "benchmarks",
+                if job.benchmarks:
+                    metrics["benchmarks"] = score_benchmarks(scorer, job.benchmarks, run_dir / "benchmarks",
                                                              logger, trainer.global_step)
         curves = run_dir / "csv" / "metrics.csv"
         if run.logger.name == "csv" and curves.is_file():
@@ -324,31 +332,60 @@ def log_per_rank() -> None:
         root.addHandler(own)
 
 
-def check_job(run: TrainConfig, run_dir: Path) -> tuple[list[Benchmark], Any, Path, int]:
-    """What a run checks before Lightning loads (3 s) and anything trains: the benchmarks, the
-    data against the settings (README-format records under a direction that needs the losing
-    side's criteria included), the test files, and the automatic choices (`resolve`, whose model
-    shape and compiler check import transformers and inductor: 2 s). The user's files are read
-    before `resolve`; the demo's data (its test files among them) is generated only once every
-    setting is accepted. Returns the benchmarks, the resolved choices, the shard dir and the
-    world size."""
-    from crm.training.resolve import batch_plan, resolve, world_size
+class Job(NamedTuple):
+    """What `check_job` decided and read for a run, each once."""
 
+    resolved: Resolved  # every automatic choice, the layout (device, world size, batch plan) first
+    transform: TransformConfig  # with the curriculum in the run's micro batches
+    shard_dir: Path
+    benchmarks: list[Benchmark]  # global rank 0's to score after fit
+    resume_decided: bool  # a one-process run's, with decide_resume; several ranks agree inside fit
+    resume: str | None  # the checkpoint to resume, where decided
+
+
+def check_job(run: TrainConfig, run_dir: Path, *, decide_resume: bool = False) -> Job:
+    """What a run decides and checks before Lightning loads (3 s) and anything trains: the
+    benchmarks, the trainer group, the run laid out (`lay_out`: device, world size, batch plan),
+    with `decide_resume` a one-process run's resume (another data set's checkpoint is refused
+    before the model's libraries load, and before the tokenizer is trained into the run dir;
+    several ranks agree on theirs inside fit, AgreedResume, which refuses it alike), the test
+    files and the data against the settings (README-format records under a direction that needs
+    the losing side's criteria included), then the rest of the automatic choices (`resolve`,
+    whose model shape and compiler check import transformers and inductor: 2 s). The user's files
+    are read before `resolve`; the demo's data (its test files among them) is generated only once
+    every setting is accepted."""
+    from crm.training.resolve import lay_out, resolve
+    from crm.training.resume import resolve_resume
+
+    start = run.start_settings()
     benchmarks = read_benchmarks(run)
-    world = world_size(run.trainer)
-    _, accumulation = batch_plan(run.global_batch_size, run.micro_batch_size, world,
-                                 run.max_micro_batch_size)
+    checks.check_trainer(run.trainer)
+    layout = lay_out(start)
+    direction = run.direction
+    transform = TransformConfig(**asdict(run.transform), noise=run.noise.name,
+                                direction=direction.then or direction.name,
+                                warmup_direction=direction.warmup,
+                                # the curriculum counts optimizer steps, the stream a rank's micro batches
+                                warmup_batches=direction.warmup_steps * layout.accumulation)
+    resume_decided = decide_resume and layout.world_size == 1
+    resume = resolve_resume(run.resume, run_dir, run.data.path) if resume_decided else None
 
     def check_files(shard_dir: Path) -> Path:
-        checks.check_data_fits(run, shard_dir, run_dir, world, transform_config(run, accumulation))
         check_test_files(run.data.test_files, "data.test_files")
+        checks.check_data_fits(run, shard_dir, run_dir, layout.world_size, transform)
         return shard_dir
 
     shard_dir = None if run.data.demo else check_files(Path(run.data.path))
-    resolved = resolve(run)  # before Lightning and the training stack are imported
+    resolved = resolve(start, layout)  # before Lightning and the training stack are imported
     if shard_dir is None:
+        own = demo_shard_dir(run.data.demo)
+        if os.path.realpath(run.data.path) != os.path.realpath(own):
+            # The demo's data is generated into its cache: a data.path of the user's is their
+            # shards, and the demo must neither train on them by name nor overwrite them.
+            raise ConfigError(f"data.path={run.data.path} with data=demo: the demo's data lives "
+                              f"in {own}; add data=shards to train on the shards at {run.data.path}")
         shard_dir = check_files(prepare_demo(run.data.demo))
-    return benchmarks, resolved, shard_dir, world
+    return Job(resolved, transform, shard_dir, benchmarks, resume_decided, resume)
 
 
 def check_later_jobs(jobs: list[tuple[int, list[str], DictConfig]], run_dir: Path) -> None:
@@ -362,9 +399,7 @@ def check_later_jobs(jobs: list[tuple[int, list[str], DictConfig]], run_dir: Pat
     try:
         for number, overrides, job_cfg in jobs:
             try:
-                job = settings(job_cfg)
-                checks.check_trainer(job.trainer)
-                check_job(job, run_dir)
+                check_job(settings(job_cfg), run_dir)
             except (ConfigError, RecordError) as exc:
                 raise ConfigError(f"sweep job {number} ({' '.join(overrides)}), checked before "
                                   f"job 0 trains: {exc}") from None
@@ -400,8 +435,7 @@ def check_sweep() -> list[tuple[int, list[str], DictConfig]]:
     for number, overrides in enumerate(jobs[1:], start=1):
         try:
             job_cfg = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
-            settings(job_cfg)
-            check_config(job_cfg)
+            check_config(settings(job_cfg))
         except (ValueError, HydraException) as exc:
             reason = describe_hydra_error(exc) if isinstance(exc, HydraException) else exc
             raise ConfigError(f"sweep job {number} ({' '.join(overrides)}), checked before job 0 "
@@ -410,47 +444,31 @@ def check_sweep() -> list[tuple[int, list[str], DictConfig]]:
     return later
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Settings that cannot work, refused before anything runs."""
-    if str(cfg.trainer.precision).endswith("-mixed") and cfg.model.dtype != "float32":
+def check_config(run: TrainConfig) -> None:
+    """Settings that cannot work, refused before anything runs (the rest: `check_job`)."""
+    if str(run.trainer.get("precision")).endswith("-mixed") and run.model.dtype != "float32":
         # Lightning's mixed precision autocasts the compute and never converts the parameters:
         # built in bfloat16, the weights, gradients and AdamW states would all be bfloat16.
-        raise ConfigError(f"trainer.precision={cfg.trainer.precision} keeps float32 master weights, "
-                         f"but model.dtype={cfg.model.dtype} builds the parameters in that dtype: "
-                         "set model.dtype=float32, or trainer.precision=bf16-true")
-    if not (cfg.model.path or cfg.model.tokenizer or cfg.model.vocab_size):
-        raise ConfigError(f"model={cfg.model.name}: no model.path or model.tokenizer to read a "
-                         "tokenizer from, and no model.vocab_size to train one; set model.path to "
-                         "a local checkpoint dir")
-    for key in ("model.path", "model.tokenizer"):
-        value = OmegaConf.select(cfg, key)
+        raise ConfigError(f"trainer.precision={run.trainer['precision']} keeps float32 master "
+                          f"weights, but model.dtype={run.model.dtype} builds the parameters in that "
+                          "dtype: set model.dtype=float32, or trainer.precision=bf16-true")
+    model = run.model
+    if not (model.path or model.tokenizer or model.vocab_size):
+        raise ConfigError(f"model={model.name}: no model.path or model.tokenizer to read a "
+                          "tokenizer from, and no model.vocab_size to train one; set model.path to "
+                          "a local checkpoint dir")
+    for key, value in (("model.path", model.path), ("model.tokenizer", model.tokenizer)):
         if value and not Path(value).is_dir():
             raise ConfigError(f"{key}={value}: no such directory (a local HF checkpoint dir)")
-    if cfg.data.demo:
-        own = demo_shard_dir(DemoConfig(**cfg.data.demo))
-        if Path(cfg.data.path).resolve() != own.resolve():
-            # The demo's data is generated into its cache: a data.path of the user's is their
-            # shards, and the demo must neither train on them by name nor overwrite them.
-            raise ConfigError(f"data.path={cfg.data.path} with data=demo: the demo's data lives "
-                              f"in {own}; add data=shards to train on the shards at {cfg.data.path}")
-    elif not (Path(cfg.data.path) / "manifest.json").is_file():
-        raise ConfigError(f"data.path={cfg.data.path}: no manifest.json there (make shards with "
+    if not run.data.demo and not (Path(run.data.path) / "manifest.json").is_file():
+        raise ConfigError(f"data.path={run.data.path}: no manifest.json there (make shards with "
                           "`crm-data shard FILE.jsonl DIR`)")
 
 
-def transform_config(run: TrainConfig, accumulation: int = 1) -> TransformConfig:
-    """The `transform` section with the direction and noise groups. The curriculum counts
-    optimizer steps; the stream counts one rank's micro batches."""
-    direction = run.direction
-    return TransformConfig(**asdict(run.transform), noise=run.noise.name,
-                           direction=direction.then or direction.name,
-                           warmup_direction=direction.warmup,
-                           warmup_batches=direction.warmup_steps * accumulation)
-
-
 def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bool,
-                  timeout=None) -> dict:
-    """The run's callbacks by name (train reads some of them back), then the `callbacks` group's."""
+                  device: str = "cpu", timeout=None) -> dict:
+    """The run's callbacks by name (train reads some of them back), then the `callbacks` group's;
+    `device`: the run's (Resolved.device)."""
     import lightning as L
     from hydra.utils import instantiate
 
@@ -458,7 +476,6 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bo
     from crm.training.preemption import Preemption
     from crm.training.progress import progress_bar
     from crm.training.throughput import Throughput
-    from crm.training.resolve import device_type
 
     ckpt_dir = run_dir / "checkpoints"
     callbacks = {
@@ -482,7 +499,7 @@ def run_callbacks(run: TrainConfig, run_dir: Path, tokenizer, *, with_logger: bo
     if run.trainer.get("enable_progress_bar", True):  # counted in micro batches (crm.training.progress)
         # On CUDA it redraws every log_every_n_steps and shows no loss (CRMModule._log_sums): a
         # number read from the GPU would make the host wait at each refresh.
-        cuda = device_type(run.trainer) == "cuda"
+        cuda = device == "cuda"
         callbacks["progress"] = progress_bar(run.trainer.get("log_every_n_steps", 50) if cuda else None)
     if with_logger:  # LearningRateMonitor refuses a Trainer without a logger (logger=none)
         callbacks["lr"] = L.pytorch.callbacks.LearningRateMonitor(logging_interval="step")

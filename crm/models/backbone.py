@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, Qwen3Config
 from transformers.utils import is_flash_attn_2_available
 
-from crm.models.config import COMPILABLE_ATTENTION, DTYPE_NAMES, not_compilable
+from crm.models.config import DTYPE_NAMES, resolve_attention
 
 log = logging.getLogger(__name__)
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -34,28 +34,19 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
-def choose_attention(requested: str = "auto", compiled: bool = False) -> str:
-    """The attention implementation for a model whose decoder layers are `compiled` or eager.
+def choose_attention(requested: str = "auto", compiled: bool = False,
+                     device_type: str | None = None) -> str:
+    """The attention implementation for decoder layers that are `compiled` or eager, on
+    `device_type`, with this machine's flash-attn (crm.models.config.resolve_attention's rule;
+    ValueError where it cannot run). Logged with its reason.
 
-    auto: sdpa for compiled layers, whatever is installed (torch's sdpa runs its own flash kernel
-    for crm's unmasked causal rows, grouped query heads included, and dynamo traces it whole);
-    eager layers take flash_attention_2 where flash-attn is installed and a GPU is present, else
-    sdpa. Logged either way. An explicit flash_attention_2 with compiled layers is refused.
+    A run decides it once, for its trainer's device (crm.training.resolve), and builds its model
+    with the answer. A model built with `auto` and no `device_type` takes sdpa: a build does not
+    know where the model will run, and sdpa runs everywhere.
     """
-    if requested == "auto":
-        flash = not compiled and torch.cuda.is_available() and is_flash_attn_2_available()
-        chosen = "flash_attention_2" if flash else "sdpa"
-        why = ("compiled decoder layers" if compiled else "flash-attn installed, CUDA present" if flash
-               else "no CUDA" if not torch.cuda.is_available() else "flash-attn not installed")
-        log.info("attention: %s (%s)", chosen, why)
-        return chosen
-    if compiled and requested not in COMPILABLE_ATTENTION:
-        raise ValueError(not_compilable(requested))
-    if requested == "flash_attention_2" and not is_flash_attn_2_available():
-        raise ValueError("attention=flash_attention_2 but flash-attn is not installed "
-                         "(pip install '.[gpu]' on a CUDA machine), or use attention=auto")
-    log.info("attention: %s (requested)", requested)
-    return requested
+    chosen, why = resolve_attention(requested, compiled, device_type, is_flash_attn_2_available())
+    log.info("attention: %s (%s)", chosen, why)
+    return chosen
 
 
 def qwen3_config(arch: dict, *, num_labels: int, pad_token_id: int) -> Qwen3Config:

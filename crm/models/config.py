@@ -29,6 +29,38 @@ def not_compilable(attention: str) -> str:
             "attention=sdpa, whose flash kernel serves Qwen3's grouped heads on the GPU, or compile=false")
 
 
+def resolve_attention(requested: str, compiled: bool, device_type: str | None,
+                      flash_installed: bool) -> tuple[str, str]:
+    """`model.attention` for decoder layers that are `compiled` or eager, running on `device_type`
+    (cuda | cpu; None: not known, as where a model is built without its run): the implementation
+    and why. The rule itself, asking nothing of this machine (`flash_installed` is the caller's
+    answer), so that crm-plan plans a GPU node with it (crm.models.backbone.choose_attention asks
+    this machine).
+
+    auto: sdpa for compiled layers (torch's sdpa runs its own flash kernel for crm's unmasked
+    causal rows, grouped query heads included, and dynamo traces it whole); eager layers on CUDA
+    take flash_attention_2 where flash-attn is installed; sdpa everywhere else, a CPU run on a
+    machine with a GPU included. A choice the layers or the device cannot run raises ValueError.
+    """
+    if requested == "auto":
+        if compiled:
+            return "sdpa", "compiled decoder layers"
+        if device_type != "cuda":
+            return "sdpa", f"the model runs on {device_type or 'a device not known here'}"
+        if not flash_installed:
+            return "sdpa", "flash-attn not installed"
+        return "flash_attention_2", "flash-attn installed, the model on CUDA"
+    if compiled and requested not in COMPILABLE_ATTENTION:
+        raise ValueError(not_compilable(requested))
+    if requested == "flash_attention_2" and not flash_installed:
+        raise ValueError("attention=flash_attention_2 but flash-attn is not installed "
+                         "(pip install '.[gpu]' on a CUDA machine), or use attention=auto")
+    if requested == "flash_attention_2" and device_type not in ("cuda", None):
+        raise ValueError(f"attention=flash_attention_2 runs on CUDA, and this run is on "
+                         f"{device_type}: use attention=auto or sdpa")
+    return requested, "requested"
+
+
 def resolve_compile(setting, device_type: str) -> bool:
     """The `compile` setting for a model on `device_type`: auto = on where it runs on CUDA.
 
@@ -48,7 +80,7 @@ class ModelConfig:
     path: str | None = None  # a local HF checkpoint dir: its architecture and weights replace `arch`
     tokenizer: str | None = None  # a local tokenizer dir (default: path)
     vocab_size: int | None = None  # the BPE vocabulary trained when there is no tokenizer (tiny models)
-    attention: str = "auto"  # auto | sdpa | eager | flash_attention_2 (eager only; backbone.choose_attention)
+    attention: str = "auto"  # auto | sdpa | eager | flash_attention_2 (eager only; resolve_attention)
     dtype: str = "float32"  # parameter dtype at build, a name in DTYPE_NAMES
     arch: Any = None  # a name in backbone.ARCHITECTURES, or a dict of Qwen3Config fields
 

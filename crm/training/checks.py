@@ -30,8 +30,8 @@ SET_BY_CRM = {"accumulate_grad_batches": "global_batch_size", "callbacks": "call
 
 def check_trainer(trainer: dict) -> None:
     """The trainer group against Lightning's Trainer: a name it does not take, one crm-train sets
-    itself, a value of the wrong type (`trainer.max_steps=ten`), a GPU accelerator where there is
-    none."""
+    itself, a value of the wrong type (`trainer.max_steps=ten`). (A GPU accelerator where there is
+    none is refused where the device is decided, crm.training.resolve.device_type.)"""
     hints = trainer_arguments()
     for key, value in trainer.items():
         if key in SET_BY_CRM:
@@ -42,16 +42,6 @@ def check_trainer(trainer: dict) -> None:
             raise ConfigError(f"trainer.{key}: not an argument of Lightning's Trainer{hint}")
         if not fits(value, hints[key]):
             raise ConfigError(f"trainer.{key}={value!r}: expected {type_name(hints[key])}")
-    accelerator = str(trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") and not _cuda_available():
-        raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA device on this machine "
-                          "(torch.cuda.is_available() is False); use trainer=cpu")
-
-
-def _cuda_available() -> bool:
-    import torch  # only when a GPU is asked for: the other settings are refused without torch
-
-    return torch.cuda.is_available()
 
 
 @functools.cache
@@ -207,19 +197,6 @@ def _ties_left_out(run, ties: int) -> str:
                 "transform.ties=keep trains them (Bradley-Terry with ties)")
     return (f"transform.ties=drop leaves out the {ties} ties; transform.ties=keep trains them (a "
             "3-way head that can say tie)")
-
-
-def check_attention(attention: str, compiled: bool) -> None:
-    """An attention implementation this machine cannot run (flash_attention_2 without flash-attn),
-    refused before the model is built."""
-    from crm.models.backbone import choose_attention
-
-    if attention == "auto":
-        return
-    try:
-        choose_attention(attention, compiled)
-    except ValueError as exc:
-        raise ConfigError(f"model.{exc}") from None
 
 
 def check_data_fits(run, shard_dir: Path, run_dir: Path, world: int,

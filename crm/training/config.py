@@ -1,15 +1,20 @@
 """The training layer's settings as a user writes them: crm-train's `optim`, `parallel` and
 `logger` sections (configs/train.yaml, configs/parallel, configs/logger), read by crm.training.module,
-crm.training.parallel and crm.training.loggers.
+crm.training.parallel and crm.training.loggers; and `StartSettings`, the part of a run that
+crm.training.resolve decides its automatic choices from.
 
 Plain Python, no torch or Lightning: a command composes and checks its config before loading them
 (crm.models.config says why).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+from crm.data.transforms import TransformSettings
+from crm.models.config import LoraConfig, LossConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,48 @@ class LoggerConfig:
     def __post_init__(self):
         if self.name not in LOGGERS:
             raise ValueError(f"logger {self.name!r}: expected one of {', '.join(LOGGERS)}")
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """Where a run goes: the trainer group's keys that place it (Lightning's Trainer arguments,
+    with Lightning's defaults), read by crm.training.resolve.lay_out."""
+
+    accelerator: str = "auto"  # cpu | gpu | cuda | auto (a GPU where one is visible)
+    devices: Any = "auto"  # processes per node: a count, a list of device ids, or auto (-1)
+    num_nodes: int = 1
+    strategy: Any = "auto"  # fsdp (crm's FSDP2), ddp, auto, ...
+
+    @classmethod
+    def of(cls, trainer: Mapping) -> DeviceSettings:
+        devices = trainer.get("devices", "auto")
+        if isinstance(devices, Sequence) and not isinstance(devices, str):
+            devices = tuple(devices)
+        return cls(accelerator=str(trainer.get("accelerator", "auto")), devices=devices,
+                   num_nodes=int(trainer.get("num_nodes", 1)),
+                   strategy=trainer.get("strategy", "auto"))
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    global_batch_size: int  # records per optimizer step, over all ranks
+    micro_batch_size: Any  # records per forward on one rank, or auto (crm.training.resolve.batch_plan)
+    max_micro_batch_size: int  # auto's bound (the memory's)
+
+
+@dataclass(frozen=True)
+class StartSettings:
+    """What a run decides its automatic choices from (crm.training.resolve.resolve): crm-train's
+    settings (crm.cli.train.TrainConfig.start_settings), or those crm-plan states for the run it
+    plans (crm.cli.plan.planned_run)."""
+
+    devices: DeviceSettings
+    batch: BatchSettings
+    model: ModelConfig
+    loss: LossConfig
+    lora: LoraConfig
+    parallel: ParallelConfig
+    compile: Any  # auto, true or false
+    packing: Any  # stream.packing: auto, true or false
+    max_tokens: int  # stream.max_tokens: one row's length
+    transform: TransformSettings  # its ties keep or drop, decided with the settings (tie_policy)

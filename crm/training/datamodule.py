@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import lightning as L
 
-from crm.data.manifest import load_manifest
+from crm.data.manifest import Manifest
 from crm.data.config import StreamConfig
 from crm.data.stream import PairStream, StreamLoader
 from crm.data.transforms import TransformConfig, check_one_sided
@@ -24,16 +24,17 @@ class _RestartingLoader(StreamLoader):
 
 
 class CRMDataModule(L.LightningDataModule):
-    """Train and validation streams from a shard directory made by `crm-data shard`.
+    """Train and validation streams from a shard directory made by `crm-data shard`, from its
+    manifest (crm.data.manifest.load_manifest).
 
     Each rank builds its own stream from the trainer's rank and world size; the train loader is
     stateful, so Lightning checkpoints its position and a resumed run continues mid-epoch.
     """
 
-    def __init__(self, path: str, tokenizer, stream: StreamConfig, transform: TransformConfig,
-                 val_split: str = "val", step_batches: int = 1):
+    def __init__(self, manifest: Manifest, tokenizer, stream: StreamConfig,
+                 transform: TransformConfig, val_split: str = "val", step_batches: int = 1):
         super().__init__()
-        self.manifest = load_manifest(path)
+        self.manifest = manifest
         if self.manifest.one_sided:
             check_one_sided(transform)  # here, at start: the loaders are built inside fit
         self.tokenizer, self.stream, self.transform = tokenizer, stream, transform

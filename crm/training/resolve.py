@@ -1,16 +1,17 @@
 """A crm-train run's automatic choices, decided once at start, in one place, and their record.
 
-`compile`, `stream.packing`, `micro_batch_size`, `parallel.sharding`, `parallel.timeout_minutes`
-and `transform.ties` may say `auto`, and a LoRA run records its adapters and base. `resolve`
-decides them from the run's settings and this machine (the trainer's device, inductor, the GPU's
-memory), before any data is read (`transform.ties` with the settings themselves,
-crm.data.transforms.tie_policy), and refuses what cannot run in one line (ConfigError); its
-checks run against what it decided. The answer, `Resolved`, is kept whole in the run config
-(every checkpoint's `crm_config`, the export's crm.json, the logger's hyperparameters) and in
+Two steps, from typed settings (crm.training.config.StartSettings), each choice made once:
+`lay_out` places the run: its device (from the trainer group's accelerator: the one place a run's
+device type is derived), its processes and the batch plan over them; it needs no model library,
+so the data is checked against it before the second step imports them. `resolve` then decides
+the rest for that layout and this machine (inductor, flash-attn, the GPU's memory): `compile`,
+`model.attention`, `stream.packing`, `parallel.sharding` and `parallel.timeout_minutes` may say
+`auto`, and a LoRA run records its adapters and base; `transform.ties` was decided with the
+settings (crm.data.transforms.tie_policy) and is recorded here. What cannot run is refused in
+one line (ConfigError). The answer, `Resolved`, is kept whole in the run config (every
+checkpoint's `crm_config`, the export's crm.json, the logger's hyperparameters) and in
 metrics.json, so that a run is read back as it ran, never as `auto` (docs/DESIGN.md section 9).
-
-`run` is crm-train's settings object (crm.cli.train.TrainConfig), read by attribute: this layer
-does not import the command line.
+crm-plan asks the same two steps for the GPU node it plans (`Environment(this_machine=False)`).
 """
 from __future__ import annotations
 
@@ -23,17 +24,30 @@ from functools import partial
 import torch
 
 from crm.core.errors import ConfigError
-from crm.training.config import ParallelConfig
+from crm.training.config import DeviceSettings, StartSettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Resolved:
-    compile: bool  # each decoder layer compiled (crm.models.compile)
-    packing: bool  # a micro batch is one packed row (crm.data.config.resolve_packing)
+class Layout:
+    """Where a run goes: decided before any model library is imported."""
+
+    device: str  # cuda | cpu: where the trainer group's accelerator runs the model (device_type)
+    world_size: int  # processes: devices per node x nodes
     micro_batch_size: int  # records per forward on one rank (batch_plan)
     accumulation: int  # micro batches per optimizer step
+
+
+@dataclass(frozen=True)
+class Resolved:
+    device: str  # Layout's four fields, as laid out
+    world_size: int
+    micro_batch_size: int
+    accumulation: int
+    attention: str  # the backbone's attention (crm.models.config.resolve_attention under auto)
+    compile: bool  # each decoder layer compiled (crm.models.compile)
+    packing: bool  # a micro batch is one packed row (crm.data.config.resolve_packing)
     sharding: str  # fsdp | hsdp (crm.perf.network.choose_sharding under auto)
     timeout_minutes: int | float | None  # the process group's (crm.perf.memory under auto)
     lora: dict | None  # the adapters and their base (crm.models.lora.base_record); None: full
@@ -42,15 +56,12 @@ class Resolved:
     def record(self) -> dict:
         return asdict(self)
 
-    def parallel(self, settings: ParallelConfig) -> ParallelConfig:
-        """The `parallel` section as it runs: sharding and timeout decided."""
-        return replace(settings, sharding=self.sharding, timeout_minutes=self.timeout_minutes)
-
     def into(self, run_config: dict) -> dict:
         """`run_config` (the composed config as a dict) saying what ran: each automatic setting's
         decided value in its place, and this whole record under `resolved`."""
         run_config["compile"] = self.compile
         run_config["micro_batch_size"] = self.micro_batch_size
+        run_config["model"]["attention"] = self.attention
         run_config["stream"]["packing"] = self.packing
         run_config["parallel"]["sharding"] = self.sharding
         run_config["parallel"]["timeout_minutes"] = self.timeout_minutes
@@ -64,63 +75,95 @@ class Environment:
     """The machine the choices are made for: this one at crm-train's start (`here`), or the GPU
     node crm-plan plans for, which is not asked anything (`this_machine=False`)."""
 
-    device: str  # cuda | cpu: where the trainer group's accelerator runs the model
+    device: str  # cuda | cpu: the layout's device
     gpu_memory_gib: float  # one device's memory; inf where there is none to plan against (CPU)
     # Ask this machine whether inductor builds and flash-attn is installed; a planned GPU node is
     # taken to have both (crm-plan runs on a login node).
     this_machine: bool = True
 
     @classmethod
-    def here(cls, trainer: dict) -> Environment:
-        device = device_type(trainer)
+    def here(cls, device: str) -> Environment:
         if device != "cuda":
             return cls(device, math.inf)
         return cls(device, torch.cuda.get_device_properties(0).total_memory / 2 ** 30)
 
 
-def resolve(run, environment: Environment | None = None) -> Resolved:
-    """Every automatic choice of `run` for `environment` (default: this machine), in the order each
-    needs the last; the model is planned with its configured vocabulary (`model.vocab_size`, before
-    any tokenizer). crm-plan asks the same question for the node it plans (crm.cli.plan)."""
-    from crm.training import checks
-
-    env = environment or Environment.here(run.trainer)
-    # First, as it needs neither the model's modules nor the compiler: the commonest refusal
-    # comes before transformers' import (1.5 s of a refusal's 4.4).
-    micro_batch, accumulation = batch_plan(run.global_batch_size, run.micro_batch_size,
-                                           world_size(run.trainer), run.max_micro_batch_size)
-    compile = compile_layers(run, env)
-    if env.this_machine:
-        checks.check_attention(run.model.attention, compile)
-    packing = packed_rows(run, env.device)
-    parallel = resolve_sharding(run.parallel, run.trainer,
-                                partial(choose_sharding, run, run.model.vocab_size, micro_batch,
-                                        compile, packing, env.gpu_memory_gib))
-    lora = lora_record(run, num_labels=run.transform.num_labels, compiled=compile)
-    parallel = resolve_timeout(parallel, run, run.model.vocab_size, lora)
-    return Resolved(compile=compile, packing=packing, micro_batch_size=micro_batch,
-                    accumulation=accumulation, sharding=parallel.sharding,
-                    timeout_minutes=parallel.timeout_minutes, lora=lora, ties=run.transform.ties)
+def lay_out(settings: StartSettings, device: str | None = None) -> Layout:
+    """The run's device, processes and batch plan; `device`: a planned node's, not this machine's
+    (crm-plan). The commonest refusals (a batch that does not divide, a GPU that is not there)
+    come here, before any model library is imported."""
+    device = device or device_type(settings.devices)
+    world = world_size(settings.devices, device)
+    batch = settings.batch
+    micro_batch, accumulation = batch_plan(batch.global_batch_size, batch.micro_batch_size, world,
+                                           batch.max_micro_batch_size)
+    return Layout(device, world, micro_batch, accumulation)
 
 
-def device_type(trainer: dict) -> str:
-    """"cuda" or "cpu": where the trainer group's accelerator runs the model."""
-    accelerator = trainer["accelerator"]
+def resolve(settings: StartSettings, layout: Layout | None = None,
+            environment: Environment | None = None) -> Resolved:
+    """Every automatic choice of the run `settings` state, for `layout` (default: `lay_out`'s)
+    on `environment` (default: this machine), in the order each needs the last; the model is
+    planned with its configured vocabulary (`model.vocab_size`, before any tokenizer)."""
+    layout = layout or lay_out(settings, environment and environment.device)
+    env = environment or Environment.here(layout.device)
+    lora = lora_record(settings)
+    if env.this_machine:  # asks this machine: imports inductor's builder and transformers
+        from crm.models.backbone import choose_attention
+        from crm.models.compile import decide as decide_compile
+    else:
+        from crm.models.config import resolve_compile as decide_compile
+
+        choose_attention = planned_attention
+    from crm.data.config import resolve_packing
+
+    try:  # a value the device or this machine cannot take: one line, from the layer that knows
+        compile = decide_compile(settings.compile, env.device)
+        packing = resolve_packing(settings.packing, env.device, settings.loss.kind)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        attention = choose_attention(settings.model.attention, compile, env.device)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from None
+    sharding = resolve_sharding(settings.parallel.sharding, settings.devices, layout.world_size,
+                                partial(choose_sharding, settings, settings.model.vocab_size,
+                                        layout.micro_batch_size, compile, packing,
+                                        env.gpu_memory_gib))
+    return Resolved(**asdict(layout), attention=attention, compile=compile, packing=packing,
+                    sharding=sharding, timeout_minutes=resolve_timeout(settings, lora), lora=lora,
+                    ties=settings.transform.ties)
+
+
+def planned_attention(requested: str, compiled: bool, device: str) -> str:
+    """The attention a planned GPU node takes: flash-attn counted as installed there."""
+    from crm.models.config import resolve_attention
+
+    return resolve_attention(requested, compiled, device, flash_installed=True)[0]
+
+
+def device_type(devices: DeviceSettings) -> str:
+    """"cuda" or "cpu": where the trainer group's accelerator runs the model; a GPU asked for
+    where there is none is refused."""
+    accelerator = devices.accelerator
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA device on this machine "
+                          "(torch.cuda.is_available() is False); use trainer=cpu")
     gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     return "cuda" if gpu else "cpu"
 
 
-def world_size(trainer: dict) -> int:
+def world_size(devices: DeviceSettings, device: str) -> int:
     """Processes of the run: devices per node x nodes (`devices: auto` counts the visible GPUs)."""
-    devices = trainer["devices"]
-    if devices in ("auto", -1, "-1"):
-        devices = torch.cuda.device_count() if device_type(trainer) == "cuda" else 1
-        if not devices:
-            raise ConfigError(f"trainer.devices={trainer['devices']} with trainer.accelerator="
-                             f"{trainer['accelerator']}, but no CUDA device is visible")
-    elif isinstance(devices, (list, tuple)):
-        devices = len(devices)
-    return int(devices) * int(trainer.get("num_nodes", 1))
+    count = devices.devices
+    if count in ("auto", -1, "-1"):
+        count = torch.cuda.device_count() if device == "cuda" else 1
+        if not count:
+            raise ConfigError(f"trainer.devices={devices.devices} with trainer.accelerator="
+                              f"{devices.accelerator}, but no CUDA device is visible")
+    elif isinstance(count, (list, tuple)):
+        count = len(count)
+    return int(count) * devices.num_nodes
 
 
 def batch_plan(global_batch: int, micro_batch: int | str, world: int,
@@ -144,52 +187,23 @@ def batch_plan(global_batch: int, micro_batch: int | str, world: int,
     return int(micro_batch), global_batch // per_step
 
 
-def resolve_sharding(parallel: ParallelConfig, trainer: dict,
-                     choose: Callable[[int, int], str]) -> ParallelConfig:
-    """`parallel` with `sharding: auto` decided: under FSDP, `choose(nodes, ranks per node)`
+def resolve_sharding(sharding: str, devices: DeviceSettings, world: int,
+                     choose: Callable[[int, int], str]) -> str:
+    """`parallel.sharding` decided: under FSDP, auto is `choose(nodes, ranks per node)`
     (crm.perf.network.choose_sharding's rule); fsdp for any other strategy."""
-    if parallel.sharding != "auto":
-        return parallel
-    nodes = int(trainer.get("num_nodes", 1))
-    per_node = world_size(trainer) // nodes
-    if trainer.get("strategy") != "fsdp":  # nothing is sharded: nothing to say
-        return replace(parallel, sharding="fsdp")
-    choice = choose(nodes, per_node)
-    log.info("parallel.sharding=auto: %s (%d node(s) x %d rank(s))", choice, nodes, per_node)
-    return replace(parallel, sharding=choice)
+    if sharding != "auto":
+        return sharding
+    if devices.strategy != "fsdp":  # nothing is sharded: nothing to say
+        return "fsdp"
+    nodes = devices.num_nodes
+    choice = choose(nodes, world // nodes)
+    log.info("parallel.sharding=auto: %s (%d node(s) x %d rank(s))", choice, nodes, world // nodes)
+    return choice
 
 
-def compile_layers(run, env: Environment) -> bool:
-    """Whether to compile each decoder layer: `compile` for the trainer's device (auto: on CUDA,
-    where inductor can; compile=true where it cannot, and an attention implementation compiled
-    layers cannot run, are refused at start). A planned node is not asked for its compiler."""
-    from crm.models.config import COMPILABLE_ATTENTION, not_compilable, resolve_compile
-
-    if env.this_machine:  # asks this machine's compiler: imports inductor's builder and the model
-        from crm.models.compile import decide
-    else:
-        decide = resolve_compile
-    try:
-        wanted = decide(run.compile, env.device)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if wanted and run.model.attention not in ("auto", *COMPILABLE_ATTENTION):
-        raise ConfigError(not_compilable(run.model.attention))
-    return wanted
-
-
-def packed_rows(run, device: str) -> bool:
-    """`stream.packing` for the trainer's device (auto: on CUDA); a wrong value is refused at start."""
-    from crm.data.config import resolve_packing
-
-    try:
-        return resolve_packing(run.stream.packing, device, run.loss.kind)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def choose_sharding(run, vocab_size: int | None, micro_batch: int, compiled: bool, packing: bool,
-                    gpu_memory_gib: float, num_nodes: int, devices: int) -> str:
+def choose_sharding(settings: StartSettings, vocab_size: int | None, micro_batch: int,
+                    compiled: bool, packing: bool, gpu_memory_gib: float, num_nodes: int,
+                    devices: int) -> str:
     """parallel.sharding=auto's choice for this run (crm.perf.network.choose_sharding): the memory
     plan at the run's row length, micro batch and packing against this GPU, with every setting
     crm-plan plans it with (its default prompt_share: crm-train does not know its data's), so
@@ -199,45 +213,45 @@ def choose_sharding(run, vocab_size: int | None, micro_batch: int, compiled: boo
     from crm.perf.memory import PLANNED_PROMPT_SHARE
 
     return network.choose_sharding(
-        model_shape(run.model, run.loss.kind, vocab_size), num_nodes=num_nodes, devices=devices,
-        seq_len=run.stream.max_tokens, micro_batch_size=micro_batch, kind=run.loss.kind,
-        packing=packing, prompt_share=PLANNED_PROMPT_SHARE,
-        activation_checkpointing=run.parallel.activation_checkpointing, compiled=compiled,
+        model_shape(settings.model, settings.loss.kind, vocab_size), num_nodes=num_nodes,
+        devices=devices, seq_len=settings.max_tokens, micro_batch_size=micro_batch,
+        kind=settings.loss.kind, packing=packing, prompt_share=PLANNED_PROMPT_SHARE,
+        activation_checkpointing=settings.parallel.activation_checkpointing, compiled=compiled,
         gpu_memory_gib=gpu_memory_gib)
 
 
-def lora_record(run, *, num_labels: int, compiled: bool) -> dict | None:
+def lora_record(settings: StartSettings) -> dict | None:
     """A LoRA run's record of its adapters and base (crm.models.lora.base_record), after checking
     on the meta device that the model has the target modules; None for full training. The
     trained count (adapters + head) does not depend on the vocabulary: the embeddings are frozen."""
-    if not run.lora.enabled:
+    lora, model = settings.lora, settings.model
+    if not lora.enabled:
         return None
     from crm.models.factory import build_crm
     from crm.models.lora import base_record, trainable_counts
 
-    try:  # shapes only: a model without the target modules stops here, before the trainer starts
-        counts = trainable_counts(build_crm(run.model, run.loss, num_labels=num_labels, pad_token_id=0,
-                                            vocab_size=run.model.vocab_size, device="meta",
-                                            compiled=compiled, lora=run.lora))
+    try:  # shapes only, which neither the attention nor compiling changes: a model without the
+        # target modules stops here, before the trainer starts
+        counts = trainable_counts(build_crm(replace(model, attention="sdpa"), settings.loss,
+                                            num_labels=settings.transform.num_labels, pad_token_id=0,
+                                            vocab_size=model.vocab_size, device="meta", lora=lora))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     log.info("LoRA rank %d on %s: %d of %d parameters trained (%.2f%%, adapters + head)",
-             run.lora.rank, ", ".join(run.lora.target_modules), counts["trainable"],
+             lora.rank, ", ".join(lora.target_modules), counts["trainable"],
              counts["total"], 100 * counts["trainable"] / counts["total"])
-    return {**base_record(run.lora, run.model.path), "trainable_parameters": counts["trainable"]}
+    return {**base_record(lora, model.path), "trainable_parameters": counts["trainable"]}
 
 
-def resolve_timeout(parallel: ParallelConfig, run, vocab_size: int | None,
-                    lora: dict | None) -> ParallelConfig:
-    """`parallel` with `timeout_minutes: auto` decided for this model and nodes
+def resolve_timeout(settings: StartSettings, lora: dict | None) -> int | float:
+    """`parallel.timeout_minutes` decided: auto is sized for this model and nodes
     (crm.perf.memory.process_group_timeout_minutes, as crm-plan recommends it)."""
-    if parallel.timeout_minutes != "auto":
-        return parallel
+    if settings.parallel.timeout_minutes != "auto":
+        return settings.parallel.timeout_minutes
     from crm.perf.flops import model_shape
     from crm.perf.memory import process_group_timeout_minutes
 
-    minutes = process_group_timeout_minutes(
-        model_shape(run.model, run.loss.kind, vocab_size),
-        num_nodes=int(run.trainer.get("num_nodes", 1)),
+    return process_group_timeout_minutes(
+        model_shape(settings.model, settings.loss.kind, settings.model.vocab_size),
+        num_nodes=settings.devices.num_nodes,
         trained_params=lora["trainable_parameters"] if lora else None)
-    return replace(parallel, timeout_minutes=minutes)

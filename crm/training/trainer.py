@@ -18,16 +18,17 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from crm.core.errors import ConfigError
 from crm.training.parallel import ParallelConfig, fsdp_strategy
-from crm.training.resolve import world_size
 from crm.training.resume import resolve_resume
 
 log = logging.getLogger(__name__)
 
 
-def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, callbacks: list,
-                 logger, run_dir: Path, parallel: ParallelConfig | None = None) -> L.Trainer:
-    """A Trainer from the trainer group; validation every `val_every_n_steps` optimizer steps;
-    the process group's timeout `parallel.timeout_minutes` (fsdp and ddp).
+def make_trainer(trainer: dict, *, world: int, accumulation: int, val_every_n_steps: int,
+                 callbacks: list, logger, run_dir: Path,
+                 parallel: ParallelConfig | None = None) -> L.Trainer:
+    """A Trainer from the trainer group, over the `world` processes the run laid out
+    (crm.training.resolve.lay_out); validation every `val_every_n_steps` optimizer steps; the
+    process group's timeout `parallel.timeout_minutes` (fsdp and ddp).
 
     On SLURM, Lightning's own auto-requeue is switched off: crm.training.preemption owns the signal.
     """
@@ -37,7 +38,7 @@ def make_trainer(trainer: dict, *, accumulation: int, val_every_n_steps: int, ca
     # ModelSize callback logs the parameters in one line instead (crm's FLOPs are perf/*).
     kwargs.setdefault("enable_model_summary", False)
     if kwargs.get("strategy") == "fsdp":
-        kwargs["strategy"] = fsdp_strategy(world_size(trainer), parallel)
+        kwargs["strategy"] = fsdp_strategy(world, parallel)
     elif kwargs.get("strategy") == "ddp" and parallel is not None and parallel.timeout is not None:
         kwargs["strategy"] = DDPStrategy(timeout=parallel.timeout)
     if SLURMEnvironment.detect():

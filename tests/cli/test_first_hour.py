@@ -355,7 +355,7 @@ def test_lightnings_advert_is_dropped_and_one_cpu_device_logs_no_sharding(caplog
     import crm.training.loggers  # noqa: F401  (installs the filter)
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    from crm.training.parallel import ParallelConfig
+    from crm.training.config import DeviceSettings
     from crm.training.resolve import resolve_sharding
 
     seen = []
@@ -370,9 +370,9 @@ def test_lightnings_advert_is_dropped_and_one_cpu_device_logs_no_sharding(caplog
         logger.removeHandler(handler)
     assert seen == ["GPU available: False"]
     with caplog.at_level(logging.INFO, logger="crm.training.resolve"):
-        chosen = resolve_sharding(ParallelConfig(), {"accelerator": "cpu", "devices": 1},
+        chosen = resolve_sharding("auto", DeviceSettings(accelerator="cpu", devices=1), 1,
                                   lambda nodes, ranks: "hsdp")
-    assert chosen.sharding == "fsdp" and "parallel.sharding" not in caplog.text
+    assert chosen == "fsdp" and "parallel.sharding" not in caplog.text
 
 
 def test_crm_rls_grpo_config_raises_no_gradient_checkpointing_future_warning(tmp_path):

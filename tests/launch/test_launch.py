@@ -35,6 +35,7 @@ import crm.cli.train
 import crm.cli.usl  # noqa: F401
 import crm_configs
 from crm.cli.scorer import checkpoint_argument
+from crm.training.config import DeviceSettings
 from crm.training.resolve import batch_plan, world_size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,7 +269,7 @@ def test_train_sbatch_runs_crm_train_with_the_plans_overrides_and_the_users(slur
     assert cfg.trainer.strategy == "fsdp" and cfg.trainer.num_nodes == 2 and cfg.trainer.devices == 8
     assert cfg.loss.kind == "pointwise" and cfg.micro_batch_size == 2
     assert cfg.parallel.sharding == "hsdp" and cfg.stream.max_tokens == 4096
-    assert world_size(cfg.trainer) == 16
+    assert world_size(DeviceSettings.of(cfg.trainer), "cuda") == 16
     # The plan's own micro batch divides a rank's share of the script's global batch.
     default = compose_cfg("train", overrides[:-2])
     assert default.micro_batch_size == plan["best"]["micro_batch_size"]

@@ -127,14 +127,45 @@ def test_with_flash_attn_installed_compiled_layers_take_sdpa_and_an_explicit_fla
         flash_attn_installed):
     with gpu_visible():
         assert backbone.is_flash_attn_2_available()  # transformers takes the stand-in for flash-attn
-        assert backbone.choose_attention("auto", compiled=False) == "flash_attention_2"  # eager layers
-        assert backbone.choose_attention("auto", compiled=True) == "sdpa"
+        assert backbone.choose_attention("auto", False, "cuda") == "flash_attention_2"  # eager layers
+        assert backbone.choose_attention("auto", True, "cuda") == "sdpa"
+        assert backbone.choose_attention("auto", False, "cpu") == "sdpa"  # the model runs on CPU
+        assert backbone.choose_attention("auto", False) == "sdpa"  # a build that knows no device
     assert not backbone.is_flash_attn_2_available()  # no GPU here: the probes are cleared again
     assert backbone.choose_attention("sdpa", compiled=True) == "sdpa"
     with pytest.raises(ValueError, match=r"attention=flash_attention_2 cannot run in compiled decoder "
                                          r"layers .* use attention=sdpa") as refused:
         backbone.choose_attention("flash_attention_2", compiled=True)
     assert "\n" not in str(refused.value)
+
+
+def test_attention_auto_is_decided_for_the_runs_device_and_recorded(flash_attn_installed):
+    """On a machine with CUDA and flash-attn, a run on the CPU trainer takes sdpa (flash-attn's
+    kernels run on CUDA only) and a run on the GPU trainer flash_attention_2: decided from the
+    trainer's device, not from what the machine has, and named in the run's record and config."""
+    from dataclasses import replace
+
+    from crm.data.transforms import TransformSettings
+    from crm.models.config import LoraConfig
+    from crm.training.config import BatchSettings, DeviceSettings, ParallelConfig, StartSettings
+    from crm.training.resolve import Environment, resolve
+
+    start = StartSettings(devices=DeviceSettings(accelerator="cpu", devices=1),
+                          batch=BatchSettings(4, "auto", 4), model=ModelConfig(arch=COMPILE_ARCH),
+                          loss=LossConfig("pairwise"), lora=LoraConfig(),
+                          parallel=ParallelConfig(timeout_minutes=30), compile=False, packing="auto",
+                          max_tokens=64, transform=TransformSettings(ties="keep"))
+    with gpu_visible():
+        assert backbone.is_flash_attn_2_available()
+        on_cpu = resolve(start)
+        on_gpu = resolve(replace(start, devices=DeviceSettings(accelerator="gpu", devices=1)),
+                         environment=Environment("cuda", gpu_memory_gib=80))
+    assert (on_cpu.device, on_cpu.attention) == ("cpu", "sdpa")
+    assert (on_gpu.device, on_gpu.attention) == ("cuda", "flash_attention_2")
+    assert on_cpu.record()["attention"] == "sdpa"
+    run_config = on_cpu.into({"model": {"attention": "auto"}, "stream": {}, "parallel": {},
+                              "transform": {}})
+    assert run_config["model"]["attention"] == "sdpa" and run_config["resolved"]["attention"] == "sdpa"
 
 
 class Captured:

@@ -59,7 +59,7 @@ def test_crm_plan_prints_the_resolution_crm_train_records(point, shapes_once):
     on the GPU node the plan is told of: every field, the LoRA record included."""
     run, plan = both(train_overrides(**point))
     node = resolving.Environment(device="cuda", gpu_memory_gib=GPU_GIB, this_machine=False)
-    by_train = resolving.resolve(run, node).record()
+    by_train = resolving.resolve(run.start_settings(), environment=node).record()
     assert plan_cli.planned_resolution(plan) == by_train
     assert by_train["compile"] and by_train["packing"] == point.get("packing", True)
     assert by_train["micro_batch_size"] == point.get("micro", 1)
@@ -91,8 +91,7 @@ def test_crm_train_and_crm_plan_choose_the_same_sharding_on_a_grid(shapes_once):
     choices = {"hsdp": 0, "fsdp": 0}
     for model, nodes, micro, tokens, packing, checkpointing in GRID:
         run, plan = composed[model]
-        run = replace(run, trainer={**run.trainer, "num_nodes": nodes},
-                      stream=replace(run.stream, max_tokens=tokens, packing=packing),
+        run = replace(run.start_settings(), max_tokens=tokens, packing=packing,
                       parallel=replace(run.parallel, activation_checkpointing=checkpointing))
         plan = replace(plan, seq_len=tokens, packing=packing, micro_batch_size=micro,
                        activation_checkpointing=checkpointing)

@@ -49,8 +49,8 @@ def test_compile_true_where_inductor_cannot_is_refused_at_start(demo_root, tmp_p
                                           r"compile=false"):
         run_train(demo_root, tmp_path / "run", "compile=true")
     monkeypatch.undo()
-    with pytest.raises(ConfigError, match=r"^attention=flash_attention_2 cannot run in compiled decoder "
-                                          r"layers .*or compile=false$"):
+    with pytest.raises(ConfigError, match=r"^model\.attention=flash_attention_2 cannot run in compiled "
+                                          r"decoder layers .*or compile=false$"):
         run_train(demo_root, tmp_path / "flash", "compile=true", "model.attention=flash_attention_2")
     # auto on CPU does not compile at all; on a machine that cannot, auto falls back to eager
     assert run_train(demo_root, tmp_path / "auto", "compile=auto")["train"]["global_step"] == 2

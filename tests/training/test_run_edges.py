@@ -112,13 +112,14 @@ def test_the_resolution_is_recorded_whole_in_checkpoint_export_and_metrics(warne
 
     run_dir, metrics, _, _ = warned_during_export
     resolved = metrics["resolved"]
-    assert resolved == {"compile": False, "packing": False, "micro_batch_size": 4, "accumulation": 1,
-                        "sharding": "fsdp", "timeout_minutes": resolved["timeout_minutes"],
-                        "lora": None, "ties": "keep"}
+    assert resolved == {"device": "cpu", "world_size": 1, "micro_batch_size": 4, "accumulation": 1,
+                        "attention": "sdpa", "compile": False, "packing": False, "sharding": "fsdp",
+                        "timeout_minutes": resolved["timeout_minutes"], "lora": None, "ties": "keep"}
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     exported = json.loads((run_dir / "export" / "crm.json").read_text())["config"]
     for config in (checkpoint["crm_config"], exported):
         assert config["resolved"] == resolved
         # each automatic setting says what ran, not auto
         assert (config["compile"], config["stream"]["packing"]) == (False, False)
+        assert config["model"]["attention"] == "sdpa"
         assert config["transform"]["ties"] == "keep"  # ties=auto, for a pairwise CRM

@@ -28,9 +28,10 @@ from crm.data.packing import unpack
 from crm.models.checkpoint import load_checkpoint, model_weights
 from crm.core.errors import ConfigError
 from crm.cli.schema import settings
-from crm.cli.train import train, transform_config
+from crm.cli.train import check_job, train
+from crm.training.config import DeviceSettings
 from crm.training.module import CRMModule, OptimConfig
-from crm.training.resolve import batch_plan, world_size
+from crm.training.resolve import Layout, batch_plan, device_type, lay_out, world_size
 from crm.models.factory import LossConfig, ModelConfig, build_crm
 from crm.data.padding import pad_rows
 from crm.core.records import Message
@@ -132,15 +133,23 @@ def test_every_config_option_composes_and_resolves(group, option, tmp_path):
 
 
 def test_world_size_and_accumulation_of_the_trainer_configs():
-    assert world_size(compose_train(["trainer=cpu"]).trainer) == 1
-    assert world_size(compose_train(["trainer=ddp"]).trainer) == 2
-    assert world_size(compose_train(["trainer=ddp", "trainer.num_nodes=3"]).trainer) == 6
+    def devices(*overrides) -> DeviceSettings:
+        return DeviceSettings.of(compose_train(list(overrides)).trainer)
+
+    assert world_size(devices("trainer=cpu"), "cpu") == 1
+    assert world_size(devices("trainer=ddp"), "cpu") == 2
+    assert world_size(devices("trainer=ddp", "trainer.num_nodes=3"), "cpu") == 6
     gpu = compose_train(["trainer=gpu"]).trainer
     # the demo recipe on one GPU: the cpu group's steps
-    assert (world_size(gpu), gpu.max_steps) == (1, compose_train([]).trainer.max_steps)
+    assert (world_size(devices("trainer=gpu"), "cuda"), gpu.max_steps) == (
+        1, compose_train([]).trainer.max_steps)
+    assert lay_out(settings(compose_train(["trainer=ddp"])).start_settings()) == Layout(
+        "cpu", world_size=2, micro_batch_size=32, accumulation=1)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no CUDA device is visible"):
-            world_size(compose_train(["trainer=fsdp"]).trainer)
+        with pytest.raises(ConfigError, match="trainer.accelerator=gpu: no CUDA device"):
+            device_type(devices("trainer=fsdp"))
+        with pytest.raises(ConfigError, match="no CUDA device is visible"):
+            world_size(devices("trainer=fsdp"), "cuda")
     assert batch_plan(32, 4, 1, 64) == (4, 8)
     assert batch_plan(32, 8, 2, 64) == (8, 2)
     with pytest.raises(ConfigError, match="not a multiple of micro_batch_size=8 x 3 ranks"):
@@ -160,7 +169,7 @@ def test_the_process_group_timeout_is_a_setting_the_strategy_gets(tmp_path):
     for group in ("ddp", "fsdp"):
         trainer_cfg = {**OmegaConf.to_container(compose_train([f"trainer={group}"]).trainer),
                        "accelerator": "cpu", "devices": 2}
-        trainer = make_trainer(trainer_cfg, accumulation=1, val_every_n_steps=1, callbacks=[],
+        trainer = make_trainer(trainer_cfg, world=2, accumulation=1, val_every_n_steps=1, callbacks=[],
                                logger=False, run_dir=tmp_path, parallel=parallel)
         assert trainer.strategy._timeout == timedelta(minutes=45), group
     with pytest.raises(ValueError, match="parallel.timeout_minutes=0"):
@@ -175,8 +184,8 @@ def test_the_process_group_timeout_is_a_setting_the_strategy_gets(tmp_path):
     assert slow == math.ceil(3 * shape.total_params * 12 / (2 * 0.05e9) / 60) > 30
     assert process_group_timeout_minutes(shape, num_nodes=2, trained_params=10**8,
                                          write_gbs=0.05) == 30
-    resolved = resolve_timeout(ParallelConfig(), settings(cfg), 151_936, None)
-    assert resolved.timeout_minutes == 30 and resolved.timeout == timedelta(minutes=30)
+    minutes = resolve_timeout(settings(cfg).start_settings(), None)
+    assert minutes == 30 and ParallelConfig(timeout_minutes=minutes).timeout == timedelta(minutes=30)
 
 
 def test_auto_micro_batch_is_the_largest_that_divides_a_ranks_share():
@@ -189,13 +198,16 @@ def test_auto_micro_batch_is_the_largest_that_divides_a_ranks_share():
         batch_plan(64, "auto", 3, 64)
 
 
-def test_direction_curriculum_steps_become_micro_batches_of_a_rank():
-    cfg = compose_train(["direction=curriculum", "direction.warmup_steps=150"])
-    transform = transform_config(settings(cfg), accumulation=2)
-    assert (transform.direction, transform.warmup_direction) == ("random", "original")
-    assert transform.warmup_batches == 300
-    random = settings(compose_train(["direction=random"]))
-    assert transform_config(random, accumulation=2).warmup_batches == 0
+def test_direction_curriculum_steps_become_micro_batches_of_a_rank(demo_root, tmp_path):
+    def transform(*overrides):  # as check_job builds it, with the run's accumulation
+        cfg = compose_train([*TINY_MODEL, *TINY_DEMO, f"paths.root_dir={demo_root}",
+                             "global_batch_size=8", "micro_batch_size=4", *overrides])
+        return check_job(settings(cfg), tmp_path).transform
+
+    curriculum = transform("direction=curriculum", "direction.warmup_steps=150")
+    assert (curriculum.direction, curriculum.warmup_direction) == ("random", "original")
+    assert curriculum.warmup_batches == 300  # 150 steps x 2 micro batches
+    assert transform("direction=random").warmup_batches == 0
 
 
 # -- 2. every loss x noise x direction ------------------------------------------------------------
