@@ -45,7 +45,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -59,6 +58,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from crm.app.calibrate import SUGGESTED, Calibration, restored, sides, stored, write_votes
+from crm.app.config import HttpLimits
 from crm.app.guards import ServingGuard, SessionGuard, Sessions
 from crm.app.service import BoardError, Leaderboards
 from crm.core.files import write_kept
@@ -96,32 +96,6 @@ CALIBRATE_HELP = (
 DEFAULT_K = 20
 MAX_CSV = 256  # per-board CSV files kept (the oldest deleted first)
 MAX_MESSAGE = 300  # characters of an error message that may quote an input
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """The server's guards (configs/usl.yaml `serve`; the module doc says what each bounds)."""
-
-    read_timeout: float = 30.0
-    keep_alive: float = 5.0
-    connections: int = 256
-    per_address: int = 64
-    write_timeout: float = 10.0
-    max_body: int = 2**20
-    max_upload: int = 16384
-    uploads: int = 64
-    uploads_per_address: int = 8
-    streams: int = 128
-    streams_per_address: int = 8
-    stream_lifetime: float = 600.0
-    results: int = 256
-    results_per_address: int = 32
-    result_age: float = 120.0
-    sessions: int = 256
-    sessions_per_address: int = 64
-    session_age: float = 3600.0
-    file_age: int = 3600
-    forwarded_allow_ips: str = "127.0.0.1,::1"  # uvicorn's: proxies trusted to name the client
 
 
 # -- rendering a board ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 import hydra
 from omegaconf import MISSING, DictConfig
 
+from crm.app.config import HttpLimits
 from crm.app.service import Limits
 from crm.cli.errors import one_line_config_errors
 from crm.cli.record import save_run_record
@@ -32,41 +33,21 @@ from crm.evaluation.leaderboard import Bootstrap
 log = logging.getLogger("crm.app")
 
 
-@dataclass
-class ServeConfig:
+@dataclass(frozen=True)
+class ServeConfig(HttpLimits):
+    """configs/usl.yaml's `serve`: the model gate's and Gradio queue's keys, and the HTTP guards'
+    bounds (crm.app.config.HttpLimits: their types and check)."""
+
     scoring: int = MISSING  # crm.app.service.ModelGate
     waiting: int = MISSING
     wait_timeout: float = MISSING
     queue_size: int = MISSING  # Gradio's queue
-    read_timeout: float = MISSING  # crm.app.page.HttpLimits
-    keep_alive: float = MISSING
-    connections: int = MISSING
-    per_address: int = MISSING
-    write_timeout: float = MISSING
-    max_body: int = MISSING
-    max_upload: int = MISSING
-    uploads: int = MISSING
-    uploads_per_address: int = MISSING
-    streams: int = MISSING
-    streams_per_address: int = MISSING
-    stream_lifetime: float = MISSING
-    results: int = MISSING
-    results_per_address: int = MISSING
-    result_age: float = MISSING
-    sessions: int = MISSING
-    sessions_per_address: int = MISSING
-    session_age: float = MISSING
-    file_age: int = MISSING
-    forwarded_allow_ips: str = MISSING  # uvicorn's: whose X-Forwarded-For names the client
 
     def __post_init__(self):
-        for key in ("read_timeout", "keep_alive", "connections", "per_address", "write_timeout",
-                    "max_body", "max_upload", "uploads", "uploads_per_address", "streams",
-                    "streams_per_address",
-                    "stream_lifetime", "results", "results_per_address", "result_age", "sessions",
-                    "sessions_per_address", "session_age", "file_age"):
-            if getattr(self, key) <= 0:  # a zero limit or timeout would refuse or drop every request
-                raise ValueError(f"serve.{key}={getattr(self, key)}: expected a number > 0")
+        try:
+            super().__post_init__()
+        except ValueError as exc:
+            raise ValueError(f"serve.{exc}") from None
 
 
 @dataclass
@@ -94,7 +75,7 @@ class UslConfig(ScorerSettings):
     torch_threads: int | None = MISSING
     interval: Bootstrap = field(default_factory=Bootstrap)
     limits: Limits = field(default_factory=Limits)
-    serve: ServeConfig = MISSING
+    serve: ServeConfig = field(default_factory=ServeConfig)
     cache: CacheConfig = MISSING
 
 
@@ -174,15 +155,14 @@ def main(cfg: DictConfig) -> None:
     page, service = build_app(cfg)
     try:
         save_run_record(cfg)
-        from crm.app.page import HttpLimits, launch  # build_app loaded it, once its checks passed
+        from crm.app.page import launch  # build_app loaded it, once its checks passed
         print(f"crm-usl: {service.version}, baseline {service.selection.baseline}; serving on "
               f"http://{cfg.host}:{cfg.port}{' (basic auth)' if auth else ''}. Ctrl-C stops.",
               flush=True)
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
         freeze_startup_heap()  # the model, torch and Gradio: out of the collector's full passes
-        serve = cfg.serve
         launch(page, cfg.host, cfg.port, auth=auth, limits=HttpLimits(**{
-            key: serve[key] for key in HttpLimits.__dataclass_fields__}))
+            key: value for key, value in cfg.serve.items() if key in HttpLimits.__dataclass_fields__}))
     finally:  # engine=ray: its workers, and a Ray it started, stop with the server
         close_scorer(service.scorer)
 

@@ -19,6 +19,7 @@ import crm.cli.rl
 import crm.cli.train
 import crm.cli.usl
 import crm_configs
+from crm.app.config import HttpLimits
 from crm.app.service import Limits
 from crm.cli.schema import settings
 from crm.core.errors import ConfigError
@@ -144,3 +145,7 @@ def test_each_section_reaches_its_reader_as_that_readers_dataclass(tmp_path):
     assert run.data.demo.out_dir == f"{tmp_path}/.cache/demo"  # interpolations resolved
     usl = settings(compose_config("usl", [f"paths.root_dir={tmp_path}", "limits.lines=3"]))
     assert usl.limits == Limits(lines=3, chars=2000) and usl.interval == Bootstrap()
+    # the HTTP guards' bounds have one source, the YAML's `serve`: crm-usl's and HttpLimits()'s alike
+    assert isinstance(usl.serve, HttpLimits)
+    assert HttpLimits(**{f.name: getattr(usl.serve, f.name) for f in dataclasses.fields(HttpLimits)}) == \
+        HttpLimits()
