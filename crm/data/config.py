@@ -43,9 +43,13 @@ class StreamSettings:
     num_workers: int = 0  # DataLoader workers per rank; 0 encodes in the training process
     packing: Any = "auto"  # auto | true | false: a batch is one row of its records' real tokens
     # (crm.data.packing); auto is resolved for the run's device by resolve_packing
+    token_budget: int | None = None  # packed rows padded to this many tokens (crm.data.packing.Budget)
 
     def __post_init__(self):
         check_packing(self.packing)  # at composition: before torch loads
+        budget = self.token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"stream.token_budget={budget!r}: expected a number of tokens >= 1, or null")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +70,7 @@ class StreamConfig(StreamSettings):
     template: PromptTemplate = field(default_factory=PromptTemplate)
 
     def __post_init__(self):
+        super().__post_init__()
         if not isinstance(self.packing, bool):
             raise ValueError(f"stream packing={self.packing!r}: a StreamConfig takes true or false "
                              "(resolve_packing resolves auto for a device)")

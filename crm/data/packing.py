@@ -20,6 +20,7 @@ token may do, once, in the forms the kernels of crm.models.packing read:
 from __future__ import annotations
 
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 
@@ -49,7 +50,39 @@ def branches(segment: tuple[list[int], ...]) -> tuple[list[int], ...]:
     return segment if len(segment) == 1 else segment[1:]
 
 
-def pack(segments: list[tuple[list[int], ...]], views: bool = True) -> dict:
+class Budget(NamedTuple):
+    """A fixed token budget for packed rows (crm-train's `stream.token_budget`): every row padded
+    to the same shapes, so that a compiled step sees one shape and CUDA graphs can replay it.
+
+    The row is filled to `tokens` (to the next multiple of it when its records hold more) with
+    filling pieces of at most `longest` tokens of `fill`, each a segment of its own that attends
+    only to itself and that no head reads; `seq_starts` always lists `records` (the micro batch's
+    records, the most a row holds) plus the most filling pieces a budget takes; `max_length`, the
+    varlen kernel's longest segment, is `longest` (the length policy's limit, at least every
+    record's row)."""
+
+    tokens: int
+    records: int
+    longest: int
+    fill: int = 0
+
+    def fillers(self, real: int) -> tuple[int, list[int]]:
+        """(the row's length, the filling pieces' lengths) for `real` tokens of records."""
+        total = self.tokens * max(-(-real // self.tokens), 1)
+        pad, pieces = total - real, []
+        while pad:
+            pieces.append(min(pad, self.longest))
+            pad -= pieces[-1]
+        return total, pieces
+
+    def starts(self, total: int) -> int:
+        """How many segment starts a row of `total` tokens lists: the same for every row of one
+        budget (the records, the filling pieces a row of that length can take, and its end)."""
+        return self.records + -(-total // self.longest) + 1
+
+
+def pack(segments: list[tuple[list[int], ...]], views: bool = True,
+         budget: Budget | None = None) -> dict:
     """The packed row of `segments` and its attention layout (see the module's docstring).
 
     `read` lists the tokens the head reads: every segment's first branch in order, then every
@@ -58,7 +91,9 @@ def pack(segments: list[tuple[list[int], ...]], views: bool = True) -> dict:
     `real_tokens` is the row's length; `padded_tokens` what the right-padded rows of the same
     sequences hold (rows x longest row), the tokens the padded path computes; `attended_tokens`
     those rows' real tokens. `views=False` leaves out `views` and `owner`, which only the CPU's
-    gather kernel reads (they are the costliest part of the layout).
+    gather kernel reads (they are the costliest part of the layout). `budget`: the row padded to
+    fixed shapes (`Budget`); `real_tokens`, `padded_tokens`, `attended_tokens` and `read` count
+    the records only.
 
     Runs on the training process's main thread once per micro batch: Python works per piece (a
     shared prefix or a branch), torch per token.
@@ -93,7 +128,20 @@ def pack(segments: list[tuple[list[int], ...]], views: bool = True) -> dict:
             end += len(branch)
             reads[b].append(end - 1)
         starts.append(end)
+    real, real_views = end, len(view_spans)
     width = max((s + b for _, s, _, b in view_spans), default=1)
+    real_width = width
+    if budget is not None:
+        total, fillers = budget.fillers(real)
+        for number, length in enumerate(fillers, start=len(segments)):
+            # a segment of its own, positions from 0, its own view; no read
+            pieces.append((end, length, 0, number, 0, len(view_spans), 0))
+            view_spans.append((end, 0, end, length))
+            flat.append([budget.fill] * length)
+            end += length
+            starts.append(end)
+        starts += [end] * (budget.starts(total) - len(starts))  # empty segments: a fixed count
+        width = max(s + b for _, s, _, b in view_spans)
     table = torch.tensor(pieces, dtype=torch.long).reshape(-1, 7)
     begin, length, first_position, segment_of, branch_of, view_of, place_of = table.unbind(1)
     tokens = torch.arange(end, dtype=torch.long)
@@ -104,12 +152,13 @@ def pack(segments: list[tuple[list[int], ...]], views: bool = True) -> dict:
         "segment_ids": torch.repeat_interleave(segment_of, length).to(torch.int32),
         "branch_ids": torch.repeat_interleave(branch_of, length).to(torch.int32),
         "seq_starts": torch.tensor(starts, dtype=torch.int32),
-        "max_length": width,
+        "max_length": width if budget is None else max(budget.longest, width),
         "read": torch.tensor([t for r in reads for t in r], dtype=torch.long),
-        "real_tokens": end,
+        "real_tokens": real,
         # the views are the rows the padded path computes, padded alike
-        "padded_tokens": len(view_spans) * width,
-        "attended_tokens": sum(s + b for _, s, _, b in view_spans),  # the S of attention
+        "padded_tokens": real_views * real_width,
+        # the S of attention
+        "attended_tokens": sum(s + b for _, s, _, b in view_spans[:real_views]),
     }
     if views:
         batch["views"] = gather_views(view_spans, width)

@@ -31,7 +31,7 @@ from crm.core.records import RecordError, TrainRecord, parse_train
 from crm.data.config import StreamConfig
 from crm.data.epoch_plan import RankPlan, plan_rank
 from crm.data.manifest import ShardInfo
-from crm.data.packing import pack, split_shared
+from crm.data.packing import Budget, pack, split_shared
 from crm.data.padding import pad_rows
 from crm.core.errors import ShardError
 from crm.data.reader import iter_shard_raw, load_member
@@ -67,12 +67,18 @@ class PairStream(IterableDataset):
         self.pool, self.rank, self.world = pool, rank, world
         self.epoch = 0
         self.skip = 0  # batches of this epoch already consumed (mid-epoch resume)
+        self._plan: tuple[int, RankPlan] | None = None  # (epoch, its plan): the last one made
         self.plan(0)  # fail fast, in the main process, on a setting that cannot be planned
 
     def plan(self, epoch: int) -> RankPlan:
-        return plan_rank(self.shards, rank=self.rank, world=self.world,
-                         batch_size=self.cfg.batch_size, keep_ties=self.transform.ties == "keep",
-                         seed=self.cfg.seed, epoch=epoch, shuffle=self.cfg.shuffle)
+        """The rank's plan of `epoch`, made once: the loader asks for it at every micro batch
+        (`StreamLoader.mark_consumed`), and a plan walks every shard and lists every batch."""
+        if self._plan is None or self._plan[0] != epoch:
+            self._plan = (epoch, plan_rank(
+                self.shards, rank=self.rank, world=self.world, batch_size=self.cfg.batch_size,
+                keep_ties=self.transform.ties == "keep", seed=self.cfg.seed, epoch=epoch,
+                shuffle=self.cfg.shuffle))
+        return self._plan[1]
 
     def __len__(self) -> int:
         return len(self.plan(self.epoch).sizes)
@@ -211,10 +217,14 @@ class PairStream(IterableDataset):
 
     def collate(self, examples: list[Encoded], position) -> dict:
         kept = [ex for ex in examples if ex.rows is not None]
-        if self.cfg.packing:  # pointwise: criteria + query once, the two responses as branches
+        cfg = self.cfg
+        if cfg.packing:  # pointwise: criteria + query once, the two responses as branches
+            budget = None if cfg.token_budget is None else Budget(
+                cfg.token_budget, records=cfg.batch_size, longest=cfg.max_tokens,
+                fill=self.tokenizer.pad_token_id)
             batch = pack([ex.rows if len(ex.rows) == 1 else split_shared(*ex.rows) for ex in kept],
-                         views=self.cfg.gather_views)
-            batch["branched"] = self.cfg.mode == "pointwise"
+                         views=cfg.gather_views, budget=budget)
+            batch["branched"] = cfg.mode == "pointwise"
         elif self.cfg.mode == "pairwise":
             batch = pad_rows([ex.rows[0] for ex in kept], self.tokenizer.pad_token_id)
         else:  # one forward: chosen rows first, then their rejected rows in the same order
@@ -223,8 +233,9 @@ class PairStream(IterableDataset):
         batch.update(
             keys=[ex.key for ex in kept],
             position=torch.tensor(position),
-            shortened=torch.tensor(sum(ex.shortened for ex in examples)),
-            dropped=torch.tensor(len(examples) - len(kept)),  # examples lost to the length policy
+            # plain ints: the trainer sums them on the host, with nothing sent to a device
+            shortened=sum(ex.shortened for ex in examples),
+            dropped=len(examples) - len(kept),  # examples lost to the length policy
         )
         if self.cfg.mode == "pairwise":
             batch["labels"] = torch.tensor([ex.label for ex in kept], dtype=torch.long)

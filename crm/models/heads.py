@@ -163,7 +163,10 @@ class PointwiseCRM(nn.Module):
         labels = batch.get("labels")
         tie = (labels == LABEL_TIE) if labels is not None else torch.zeros_like(diff, dtype=torch.bool)
         if self.tie_log_nu is None:
-            if bool(tie.any()):
+            # Read on the CPU only: on an accelerator `bool()` makes the host wait for the device
+            # at every micro batch; crm-train refuses ties for a Bradley-Terry CRM at start
+            # (crm.training.checks), so its stream never sends one.
+            if diff.device.type == "cpu" and bool(tie.any()):
                 raise ValueError("a tie reached a Bradley-Terry pointwise CRM: set loss.ties=davidson, "
                                  "or transform.ties=drop")
             loss = -F.logsigmoid(diff - self.margin).sum()

@@ -10,6 +10,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from crm.core.errors import ConfigError
 from crm.models.checkpoint import LORA
 from crm.models.heads import TIE_LR_SCALE, TIE_PARAMETER
+from crm.models.packing import use_packed_attention
 from crm.training.config import OptimConfig
 from crm.training.parallel import (ParallelConfig, all_ranks_sum, build_sharded, data_parallel_mesh,
                                    prepare_layers)
@@ -45,6 +46,7 @@ class CRMModule(L.LightningModule):
         # Running sums (the CRM's metrics, then the example count) between their reductions.
         self._train_sums: torch.Tensor | None = None
         self._val_sums: torch.Tensor | None = None
+        self._data_counts = [0, 0]  # this rank's shortened and dropped examples of the epoch
 
     def configure_model(self) -> None:
         if self.crm is not None:
@@ -56,6 +58,14 @@ class CRMModule(L.LightningModule):
         else:
             self.crm = self.build_crm()
             prepare_layers(self.crm, self.parallel, self.compile)
+        if self.crm.model.config._attn_implementation == "sdpa":
+            # transformers' sdpa path, given a right-padded batch without a mask, first asks
+            # whether the positions describe packed sequences (masking_utils'
+            # find_packed_sequence_indices: `.all()` of a device tensor), a host sync at every
+            # forward on a GPU. crm's attention function is outside transformers' mask registry,
+            # so that question is not asked, and a plain (unpacked) call still runs sdpa's causal
+            # kernel with no mask (crm.models.packing.packed_attention).
+            use_packed_attention(self.crm.model)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["crm_config"] = self.run_config
@@ -133,13 +143,22 @@ class CRMModule(L.LightningModule):
         if batch["step_index"] == batch["step_batches"] - 1 and self._logging_step():
             self._log_sums("train", all_ranks_sum(self._train_sums))
             self._train_sums = None
-        # What the length policy did, summed over the run and ranks (healthy runs keep both ~0).
-        # Every rank logs both on every step, so the epoch-end reduction is the same on each.
-        self.log_dict({"data/shortened": batch["shortened"].float(),
-                       "data/dropped": batch["dropped"].float()},
-                      reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
+        # What the length policy did, counted on the host (the stream's plain ints) and logged
+        # once an epoch (on_train_epoch_end), not through Lightning's `log` at every micro batch,
+        # the costliest of the step's own host work (docs/PERFORMANCE.md section 13).
+        self._data_counts[0] += int(batch["shortened"])
+        self._data_counts[1] += int(batch["dropped"])
         scale = self.trainer.world_size * self.trainer.accumulate_grad_batches
         return loss_sum * scale / self._step_examples.clamp(min=1.0)
+
+    def on_train_epoch_end(self) -> None:
+        # Summed over the epoch and the ranks (healthy runs keep both ~0); every rank logs both,
+        # so the reduction is the same collective on each.
+        shortened, dropped = self._data_counts
+        self._data_counts = [0, 0]
+        self.log_dict({"data/shortened": torch.tensor(float(shortened), device=self.device),
+                       "data/dropped": torch.tensor(float(dropped), device=self.device)},
+                      reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         _, sums = self._sums(batch)

@@ -3,8 +3,8 @@
     perf/tokens_per_s          real (attention-mask) tokens per second, all ranks
     perf/tokens_per_s_per_gpu  the same over the world size (compare with docs/PERFORMANCE.md)
     perf/padded_tokens_per_s   tokens computed, padding included (rows x padded width; a packed
-                               row has none), all ranks
-    perf/real_token_fraction   real tokens / tokens computed (1 for packed rows)
+                               row has none but its filling to stream.token_budget), all ranks
+    perf/real_token_fraction   real tokens / tokens computed (1 for packed rows without a budget)
     perf/tokens_per_sample     tokens computed per record (a packed pointwise pair computes its
                                criteria + query once)
     perf/samples_per_s         records per second, all ranks (a pointwise record is two rows)
@@ -90,8 +90,9 @@ class Throughput(L.Callback):
                            batch_idx: int) -> None:
         samples = len(batch["keys"]) if "keys" in batch else (
             batch["labels"].numel() if "labels" in batch else batch["input_ids"].shape[0])
-        if "read" in batch:  # packed: the counts came with the batch
-            counts = (batch["real_tokens"], batch["read"].numel(), samples, batch["real_tokens"],
+        if "read" in batch:  # packed: the counts came with the batch; computed: the row, its
+            # filling to `stream.token_budget` included
+            counts = (batch["input_ids"].shape[1], batch["read"].numel(), samples, batch["real_tokens"],
                       batch["attended_tokens"])
         else:
             mask = batch["attention_mask"]

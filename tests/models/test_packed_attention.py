@@ -14,7 +14,7 @@ import torch
 from helpers import COMPILE_ARCH, tiny_tokenizer
 
 from crm.data.config import resolve_packing
-from crm.data.packing import pack, split_shared, unpack
+from crm.data.packing import Budget, pack, split_shared, unpack
 from crm.data.padding import pad_rows
 from crm.models import compile as compiling
 from crm.models import packing
@@ -88,6 +88,31 @@ def test_a_packed_batch_gives_the_padded_loss_and_every_gradient(kind, setup):
         assert_same_training(crm, padded, packed)
     if setup == "compiled":
         assert compiling.compile_stats()["graph_breaks"] == 0
+
+
+def filled(kind: str, packed: dict, budget: int) -> dict:
+    """`packed`'s records packed again with a token budget (crm-train's stream.token_budget)."""
+    segments = [(ids,) for ids in unpack(packed)] if kind == "pairwise" else None
+    if segments is None:  # the pairs again: chosen reads first, then rejected
+        sequences = unpack(packed)
+        n = len(sequences) // 2
+        segments = [split_shared(c, r) for c, r in zip(sequences[:n], sequences[n:])]
+    batch = pack(segments, budget=Budget(budget, records=len(segments), longest=64))
+    return {**batch, "branched": packed["branched"],
+            **({"labels": packed["labels"]} if "labels" in packed else {})}
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "pointwise"])
+def test_a_row_filled_to_a_token_budget_gives_the_same_loss_and_every_gradient(kind):
+    crm = make_crm(kind)
+    padded, packed = batches(kind, [20, 16, 5, 11, 30, 2], shared=6)
+    with_budget = filled(kind, packed, budget=256)
+    assert with_budget["input_ids"].shape[1] == 256 > packed["real_tokens"] == with_budget["real_tokens"]
+    assert_same_training(crm, padded, with_budget)
+    with torch.no_grad():  # FlexAttention's mask (CPU: forward only) keeps the filling to itself
+        flex = packing.packed_hidden(crm.model, with_budget, path="flex")
+        gathered = packing.packed_hidden(crm.model, packed, path="gather")
+    torch.testing.assert_close(flex, gathered, rtol=1e-5, atol=1e-6)
 
 
 def test_a_shared_prefix_reward_equals_the_response_scored_alone():
@@ -165,3 +190,17 @@ def test_the_gpu_kernels_give_the_padded_loss_and_gradients(kind, dtype, compile
         else:
             assert_close_in_norm(crm, padded, packed, bound=2e-2)
     assert compiling.compile_stats()["graph_breaks"] == 0
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["pairwise", "pointwise"])
+def test_the_gpu_kernels_give_the_padded_loss_with_a_token_budget(kind):
+    """varlen (pairwise, its segment starts listing empty segments up to a fixed count, its longest
+    segment the budget's) and flex (pointwise) over a row filled to a token budget."""
+    crm = make_crm(kind, device="cuda")
+    padded, packed = batches(kind, [120, 77, 300, 5, 64, 211], shared=40)
+    with_budget = filled(kind, packed, budget=2048)
+    to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert_close_in_norm(crm, to(padded), to(with_budget), bound=2e-2)
+
