@@ -17,7 +17,7 @@ _EXPORTS = {  # name -> the module that defines it
     "select": "crm.evaluation.leaderboard",  # crm-leaderboard: a benchmark's examples to rank
     "leaderboard": "crm.evaluation.leaderboard",  # crm-leaderboard: leaderboard.json's document
     "Bootstrap": "crm.evaluation.leaderboard",  # the win rates' intervals
-    "read_votes": "crm.evaluation.votes",  # a user's votes: leaderboard(..., votes=) -> PPI intervals
+    "read_votes": "crm.evaluation.user_votes",  # a user's votes: leaderboard(..., votes=) -> PPI intervals
     "CRMReward": "crm.inference.reward",  # a CRM and a user's criteria as TRL's reward function
 }
 __all__ = list(_EXPORTS)

@@ -113,7 +113,7 @@ def _check_text(path: str) -> None:
         raise ValueError(f"{path}:{number}: not JSON lines (the line reads {first[:40]!r}): "
                          f"{hint}") from None
     if line_format(obj) is None and isinstance(obj, dict):
-        from data_tools.votes import vote_format
+        from data_tools.crowd_votes import vote_format
 
         votes = vote_format(obj)
         if votes:

@@ -40,7 +40,7 @@ from openai.types.chat import ChatCompletion
 
 from crm.core.files import write_json
 from crm.core.records import Conversation
-from data_tools.votes import Vote, read_votes
+from data_tools.crowd_votes import Vote, read_votes
 
 PROMPT = Path(__file__).with_name("criteria_prompt.yaml")
 PLACEHOLDERS = ("{query}", "{response_a}", "{response_b}")

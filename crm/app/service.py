@@ -33,7 +33,7 @@ from crm.evaluation.leaderboard import (Bootstrap, Outcome, Selection, board_met
 from crm.core.records import RecordError
 from crm.evaluation.slot_bias import decide_orders, measure_slot_bias
 from crm.evaluation.suggest import suggest_pairs, suggestion_lines
-from crm.evaluation.votes import read_votes
+from crm.evaluation.user_votes import read_votes
 
 Progress = Callable[[int, int], None]  # (queries judged, queries in all)
 PROGRESS_STEPS = 10  # a board is judged in this many slices, reporting after each

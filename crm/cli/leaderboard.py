@@ -8,7 +8,7 @@ and probabilities per judged pair) into outputs/leaderboard/<name>.
 `default=true` ranks under `default_criteria` (the crowd's average preference) instead of
 `criteria`; with `contrast` it is compared with another criteria set (Kendall tau). `checkpoint`
 is an export dir or a crm-train checkpoint (the former `model=DIR` still works, with a deprecation
-message). `votes=FILE` (the user's own verdicts on a few pairs, crm.evaluation.votes) makes the
+message). `votes=FILE` (the user's own verdicts on a few pairs, crm.evaluation.user_votes) makes the
 criteria board's intervals prediction-powered (interval.method=auto|bootstrap|ppi);
 `suggest_votes.pairs=N` writes suggested_votes.jsonl, the next N pairs to vote on
 (crm.evaluation.suggest): a line of it with "verdict" added is a vote.
@@ -37,7 +37,7 @@ from crm.core.records import RecordError
 from crm.evaluation.leaderboard import (Bootstrap, interval_method, leaderboard, outcome,
                                         select)
 from crm.evaluation.suggest import STRATEGIES, suggest_pairs, suggestion_lines
-from crm.evaluation.votes import read_votes
+from crm.evaluation.user_votes import read_votes
 from crm.evaluation.render import markdown, plot
 
 log = logging.getLogger("crm.evaluation.leaderboard")

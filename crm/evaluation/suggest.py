@@ -113,7 +113,7 @@ def _systematic(judged: list, k: int, tie_value: float, rng: random.Random) -> l
 def suggestion_lines(selection, pairs: Sequence[Suggestion], criteria: Sequence[str]
                      ) -> list[dict]:
     """suggested_votes.jsonl's lines: what a user needs to give a verdict, and a votes line's
-    fields (crm.evaluation.votes): a line with "verdict" added is a vote."""
+    fields (crm.evaluation.user_votes): a line with "verdict" added is a vote."""
     records = {r.idx: r for r in selection.records}
     lines = []
     for pair in pairs:

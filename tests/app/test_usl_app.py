@@ -284,7 +284,7 @@ def test_the_page_calibrates_the_board_with_your_votes(app, page, tmp_path):
     from playwright.sync_api import expect
 
     from crm.evaluation.leaderboard import select
-    from crm.evaluation.votes import read_votes
+    from crm.evaluation.user_votes import read_votes
 
     page.goto(app["url"])
     page.get_by_role("tab", name="Customizable leaderboard").click()

@@ -20,7 +20,7 @@ from data_tools.cli import main
 import data_tools.criteria
 from data_tools.criteria import (ANSWERS, KEYS, RESPONSE_FORMAT, SCHEMA, SIDES, AnswerCache,
                                  AnswerError, CriteriaPrompt, read_answer, render_response, vote_hash)
-from data_tools.votes import Vote, read_votes
+from data_tools.crowd_votes import Vote, read_votes
 
 FAST = ["--model", "stub", "--backoff", "0.01", "--no-progress", "--concurrency", "4", "--k", "3"]
 

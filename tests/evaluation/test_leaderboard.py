@@ -22,7 +22,7 @@ from crm.evaluation.leaderboard import (CRM_IS_USER, DEFAULT_CRITERIA, LOSS, TIE
                                        win_rates)
 from crm.evaluation.render import (_LABEL_WIDTH, bar_label_place, interval, markdown, plot,
                                    slope_positions)
-from crm.evaluation.votes import Votes
+from crm.evaluation.user_votes import Votes
 from crm.core.errors import ConfigError
 from crm.core.examples import LABEL_B
 

@@ -1,4 +1,4 @@
-"""A user's votes (crm.evaluation.votes) and the board they make (PPI intervals, rank sets,
+"""A user's votes (crm.evaluation.user_votes) and the board they make (PPI intervals, rank sets,
 suggested pairs): every bad line refused with FILE:LINE and the field, the counts, the forwards."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from test_leaderboard import StubScorer, bench_line, write_bench
 from crm.core.records import RecordError
 from crm.evaluation.leaderboard import PPI_ASSUMES, Outcome, leaderboard, select
 from crm.evaluation.render import markdown, plot
-from crm.evaluation.votes import Votes, read_votes
+from crm.evaluation.user_votes import Votes, read_votes
 
 
 def bench(tmp_path: Path, queries: int = 30) -> Path:

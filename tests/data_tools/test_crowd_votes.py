@@ -1,4 +1,4 @@
-"""data_tools.votes: the vote files people download, in their exact shapes (the dataset cards of
+"""data_tools.crowd_votes: the vote files people download, in their exact shapes (the dataset cards of
 lmsys/arena-human-preference-55k, lmsys/chatbot_arena_conversations, lmarena-ai/arena-human-
 preference-100k and -140k, and the Hugging Face chosen/rejected format), as CSV, JSONL and Parquet;
 multi-turn, null turns and non-English text; every bad row named by line, field and reason.
@@ -11,7 +11,7 @@ import pytest
 from vote_files import arena_55k_row, write_csv, write_jsonl, write_parquet
 
 from crm.core.records import Message
-from data_tools.votes import read_votes, vote_format
+from data_tools.crowd_votes import read_votes, vote_format
 
 ZH_Q, ZH_A, ZH_B = "用一句话解释量子纠缠。", "两个粒子的状态相互关联。", "我不知道。"
 RU_Q, RU_A, RU_B = "Как сварить яйцо?", "Варите девять минут.", "Никак."
