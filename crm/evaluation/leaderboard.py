@@ -545,7 +545,7 @@ def leaderboard(scorer, selection: Selection, criteria: Sequence[str],
     contrast set, the Kendall tau between the two rankings. Given a `judgments` list, the lines
     of judgments.jsonl go there: a `judgment` per judged pair, board by board.
 
-    `votes` (crm.evaluation.votes.Votes) are the user's verdicts under `criteria`: they make that
+    `votes` (crm.evaluation.user_votes.Votes) are the user's verdicts under `criteria`: they make that
     board's intervals PPI's (interval.method auto or ppi). A contrast board has no votes of its
     own, so its intervals are the bootstrap's and say that they assume the CRM is the user.
     `slot_sample` pairs per board are judged in both orders first (crm.evaluation.slot_bias); a
