@@ -19,6 +19,7 @@ import crm.cli.eval
 import crm.cli.leaderboard
 import crm.cli.train
 from crm.cli.train import keep_earlier_figures
+from crm.evaluation.leaderboard import select
 from data_tools.cli import main as crm_data
 
 BIN = Path(sys.executable).parent
@@ -57,8 +58,11 @@ def test_crm_leaderboard_refuses_to_replace_another_checkpoints_board(root):
     bench = write_jsonl(root / "bench.jsonl", BENCH)
     board = root / "outputs" / "leaderboard" / "default"
     record = earlier_record(board)
-    (board / "leaderboard.json").write_text(json.dumps({"model": "outputs/a/export",
-                                                        "bench": str(bench)}))
+    selection = select(bench, "base")  # the same board, another checkpoint's
+    (board / "leaderboard.json").write_text(json.dumps({
+        "model": "outputs/a/export", "bench": str(bench), "baseline": "base",
+        "topics": list(selection.topics), "models": list(selection.models),
+        "boards": [{"criteria": ["short"]}]}))
     before = (board / "leaderboard.json").read_bytes()
     done = subprocess.run([str(BIN / "crm-leaderboard"), f"checkpoint={root}", f"bench={bench}",
                            "baseline=base", "criteria=[short]"], capture_output=True, text=True,
