@@ -22,8 +22,8 @@ from crm.evaluation.leaderboard import Outcome
 log = logging.getLogger("crm.app")
 # Of the files on disk; part of every key, so files of an earlier format are never found (they
 # are scored again) and age out. 2: each outcome keeps its P(tie); 3: with the slot-bias
-# measurement and the orders judged.
-FORMAT = 3
+# measurement and the orders judged; 4: both orders made one verdict by slot_bias.both_orders.
+FORMAT = 4
 
 
 class Verdicts(NamedTuple):

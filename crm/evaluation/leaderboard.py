@@ -35,7 +35,7 @@ from crm.core.files import file_digest
 from crm.core.records import BenchRecord, RecordError, read_lines
 from crm.evaluation.ppi import (MIN_VOTES, CellData, Estimate, ppi_separate, ppi_topics,
                                 rank_sets)
-from crm.evaluation.slot_bias import measure_slot_bias
+from crm.evaluation.slot_bias import judge_both_orders, measure_slot_bias
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +176,18 @@ def judge(scorer, selection: Selection, criteria: Sequence[str],
     """One outcome per (example, model): the model's response against the baseline's.
 
     The baseline sits in slot A, the model in slot B (`both_orders` also judges the swapped
-    order and averages the probabilities). A model must not lose (or win) an example by being
-    too long to read: a pair the length policy cannot fit is an error that names it, or, given
-    an `unscorable` list, its key goes there and its query is left out for every model (all
-    models are still ranked on the same examples).
+    order: crm.evaluation.slot_bias.both_orders makes one verdict of the two). A model must not
+    lose (or win) an example by being too long to read: a pair the length policy cannot fit is
+    an error that names it, or, given an `unscorable` list, its key goes there and its query is
+    left out for every model (all models are still ranked on the same examples).
     """
     owners = pairs(selection, criteria)
     examples = [e for _, _, e in owners]
-    probs = scorer.pair_probabilities(examples, unfit="nan", both_orders=both_orders)
+    verdicts = None
+    if both_orders:
+        probs, verdicts = judge_both_orders(scorer, examples)
+    else:
+        probs = scorer.pair_probabilities(examples, unfit="nan")
     # One test over the whole tensor: a test per row costs time at scale (docs/PERFORMANCE.md 12).
     unscored = probs.isnan().any(dim=1).tolist()
     unfit = [e.key for e, nan in zip(examples, unscored) if nan]
@@ -195,10 +199,10 @@ def judge(scorer, selection: Selection, criteria: Sequence[str],
                          f"in {scorer.encoder.max_tokens} tokens even with shortened responses: "
                          f"{', '.join(unfit[:5])}{' ...' if len(unfit) > 5 else ''}")
     outcomes = []
-    for (idx, model, e), p in zip(owners, probs.tolist()):
+    for k, ((idx, model, e), p) in enumerate(zip(owners, probs.tolist())):
         if idx in left_out:
             continue
-        v = verdict(p)
+        v = verdict(p) if verdicts is None else verdicts[k]
         result = WIN if v == LABEL_B else LOSS if v == LABEL_A else TIE
         outcomes.append(Outcome(model, e.topic, result, p[LABEL_B], idx, p[LABEL_TIE]))
     return outcomes

@@ -5,13 +5,15 @@ that learned "B wins" ranks every model near 100% under any criteria, silently. 
 a seeded sample of the board's pairs is judged in both orders: a verdict that names the same slot
 in both (A both times, or B both times) followed the slot, not the response. Above
 `FOLLOWS_SLOT` of the sample, the board says so on every output, and `both_orders=auto` judges
-every pair in both orders (averaged), which cancels a slot preference at twice the forwards.
+every pair in both orders (`both_orders` makes one verdict of the two), which cancels a slot
+preference at twice the forwards.
 
 Cost: 2 x the sample (64 pairs: 128 sequences, about a quarter of the demo bench's 480), whatever
 the votes. A pointwise CRM scores each response alone: it has no slot, and nothing is measured.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -55,3 +57,43 @@ def decide_orders(both_orders: bool | str, bias: dict | None) -> bool:
     if not isinstance(both_orders, bool):
         raise ValueError(f"both_orders={both_orders!r}: true, false or auto")
     return both_orders
+
+
+def both_orders(first, second) -> tuple[list[float], int | None]:
+    """A pair's probabilities and verdict from its two orders' (P(A), P(B), P(tie)), both in the
+    first order's frame (the second unswapped).
+
+    The probabilities are the normalised geometric mean of the two orders' (their log-
+    probabilities averaged): a slot's pull, an offset to the logit of whichever side sits in it,
+    enters both sides once and cancels, and a difference between the orders survives where
+    probabilities near 0 or 1 would lose it in their arithmetic mean. The verdict is their
+    argmax; when the orders name opposite sides, each named the side its slot favoured, and the
+    content decides between A and B only: the tie class, which no slot pulls, would otherwise
+    take such a pair and throw away the side the content favours.
+    """
+    if any(x != x for x in [*first, *second]):  # NaN: the pair does not fit; judge() names it
+        return [math.nan] * len(first), None
+    logs = [(math.log(p) if p > 0 else -math.inf) + (math.log(q) if q > 0 else -math.inf)
+            for p, q in zip(first, second)]
+    top = max(logs)
+    if top == -math.inf:  # no class that both orders give any probability: no verdict
+        return [math.nan] * len(logs), None
+    weights = [math.exp(x - top) for x in logs]
+    probs = [w / sum(weights) for w in weights]
+    named = {verdict(first), verdict(second)}
+    if named == {LABEL_A, LABEL_B}:
+        sides = probs[LABEL_A], probs[LABEL_B]
+        return probs, None if sides[0] == sides[1] else LABEL_A if sides[0] > sides[1] else LABEL_B
+    return probs, verdict(probs)
+
+
+def judge_both_orders(scorer, examples: Sequence) -> tuple:
+    """(probabilities (n, 3) tensor, verdicts) of `examples` judged in both orders, combined by
+    `both_orders`; a pair that does not fit has NaN probabilities and no verdict."""
+    import torch  # here: crm-usl and crm-leaderboard read this module before torch loads
+
+    first = scorer.pair_probabilities(examples, unfit="nan").tolist()
+    second = scorer.pair_probabilities([swap(e) for e in examples], unfit="nan")[:, [1, 0, 2]]
+    combined = [both_orders(p, q) for p, q in zip(first, second.tolist())]
+    return (torch.tensor([probs for probs, _ in combined], dtype=torch.float32),
+            [v for _, v in combined])
