@@ -107,7 +107,8 @@ class Faulty:
     """A worker's loader whose scorer sleeps `seconds` in a block holding a `slow:` row and
     SIGKILLs its own process in one holding a `die:` row; the first block of all the pool's
     workers holding a `hang:` row hangs, the first holding a `nan:` row answers NaN there (a mark
-    file in `marks` says it happened). With `gate`, the CRM loads once that file exists."""
+    file in `marks` says it happened). With `gate`, the CRM loads once that file exists (or a
+    minute has passed: a test that waits for the load fails rather than hangs)."""
 
     export: str
     seconds: float = 1.0
@@ -115,7 +116,8 @@ class Faulty:
     gate: str | None = None
 
     def __call__(self, device):
-        while self.gate and not os.path.exists(self.gate):
+        opens = time.time() + 60
+        while self.gate and not os.path.exists(self.gate) and time.time() < opens:
             time.sleep(0.05)
         scorer = ScorerLoader(self.export)(device)
         score = scorer.pair_probabilities
@@ -126,7 +128,7 @@ class Faulty:
             if any(e.key.startswith("slow:") for e in examples):
                 time.sleep(self.seconds)
             if any(e.key.startswith("hang:") for e in examples) and self._first("hang"):
-                time.sleep(600)
+                time.sleep(120)  # past any block_timeout a test sets; a test without one fails
             probs = score(examples, **kwargs)
             if any(e.key.startswith("nan:") for e in examples) and self._first("nan"):
                 probs[[e.key.startswith("nan:") for e in examples]] = float("nan")
