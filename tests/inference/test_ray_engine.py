@@ -376,11 +376,13 @@ def test_crm_leaderboard_equals_engine_local(cli_on_pool, pairwise_export, demo_
     # the same sequences, prefixes and real tokens; padding differs with the batches' make-up
     assert {k: v for k, v in spread["sequences"].items() if k != "padded_tokens"} == \
         {k: v for k, v in local["sequences"].items() if k != "padded_tokens"}
-    # The slot-bias sample in both orders (crm.evaluation.slot_bias), then the board's pairs: a
-    # block per query.
-    *slot, board = json.loads((tmp_path / "ray" / "engine.json").read_text())["tasks"]
-    assert board["blocks"] == local["examples"]["used"]
-    assert [t["op"] for t in slot] == ["pairs", "pairs"] and slot[0]["rows"] == slot[1]["rows"] > 0
+    # The slot-bias sample in both orders (crm.evaluation.slot_bias), then the board's pairs in
+    # both orders (slot_bias.judge_both_orders): a block per query.
+    tasks = json.loads((tmp_path / "ray" / "engine.json").read_text())["tasks"]
+    assert [t["op"] for t in tasks] == ["pairs"] * 4
+    slot, board = tasks[:2], tasks[2:]
+    assert slot[0]["rows"] == slot[1]["rows"] > 0
+    assert board[0]["blocks"] == board[1]["blocks"] == local["examples"]["used"]
 
 
 # -- faults ------------------------------------------------------------------------------------------
