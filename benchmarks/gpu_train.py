@@ -1,40 +1,54 @@
-"""crm on one GPU as users run it: `crm-train`'s packed, compiled path, TRL beside it, long
-FlexAttention rows, host syncs and scoring, in one script and one call (docs/PERFORMANCE.md).
+"""crm on one GPU as users run it, in one script for a GPU turn (docs/PERFORMANCE.md section 8):
+`crm-train`'s packed, compiled path, with and without static shapes and CUDA graphs, the 4B, a
+long FlexAttention row, scoring (crm-eval's and crm-leaderboard's paths, engine=local and
+engine=ray) and crm against TRL, in that order.
 
-Tasks, run in the order given (`--tasks`, comma-separated) within `--budget` seconds: a task whose
-estimate no longer fits is skipped and the JSON says so. The JSON is rewritten after every task
-(`--out`), so a call cut short keeps what it finished.
-- `train=SIZE:MICRO:CKPT:MODE` (CKPT on|off, MODE pairwise|pointwise): `crm-train` in a process of
-  its own on synthetic README-format pairs of realistic length (benchmarks/long_pairs.py: answers of
-  300-700 words, pairwise rows of about 1.1k tokens), a 32k BPE trained on them once, `trainer=fsdp`
-  on one GPU, `compile=true`, `stream.packing=auto` (packed on a GPU), bf16 compute. `StepStats`
-  (below, added through crm-train's `callbacks` key) synchronises the GPU at each optimizer step after
-  the warm-up and records step times, real tokens, torch's memory peaks and the compile figures. The
-  result: steady-state MFU (docs/PERFORMANCE.md section 2), tokens/s, and `planned_gib`, what
-  `crm-plan` prints for the same overrides (rows at stream.max_tokens), beside the same plan at the
-  widest micro batch the run met. The first run of each mode also counts the host syncs of 20
+Tasks, run in the order given (`--tasks`, comma-separated; the default is the order of issue 59's
+priorities) within `--budget` seconds: a task whose estimate no longer fits is skipped and the
+JSON says so. The JSON (`--out`, and printed at the end) names the device and is rewritten after
+every task, so a call cut short keeps what it finished; each run's checkpoints are deleted as it
+ends (they filled the 64 GiB disk of the first GPU turn).
+- `train=SIZE:MICRO:CKPT:MODE[:VARIANT]` (CKPT on|off, MODE pairwise|pointwise): `crm-train` in a
+  process of its own on synthetic README-format pairs of realistic length (benchmarks/long_pairs.py:
+  answers of 300-700 words, pairwise rows of about 1.1k tokens), a 32k BPE trained on them once,
+  `trainer=fsdp` on one GPU, `compile=true`, `stream.packing=auto` (packed on a GPU), bf16 compute.
+  VARIANT: `today` (the default: the settings as they are), `static` (`stream.token_budget`: every
+  packed row filled to one length, the widest micro batch an earlier run of the same size and mode
+  met rounded up to 128 tokens, else micro x max_tokens (x2 pointwise): one shape for every step),
+  `graphs` (static, and inductor's CUDA graphs, what torch.compile's mode "reduce-overhead" turns
+  on: `InductorMode` below). `StepStats` (below, added through crm-train's `callbacks` key)
+  synchronises the GPU at each optimizer step after the warm-up and records step times, real and
+  computed tokens, torch's memory peaks and the compile figures. The result: steady-state MFU
+  (docs/PERFORMANCE.md section 2: real tokens, the trained model's non-embedding FLOPs; the
+  embedding does not count) and `mfu_computed` (filling included), tokens/s, and `planned_gib`,
+  what `crm-plan` prints for the same overrides (rows at stream.max_tokens), beside the same plan at
+  the widest micro batch the run met. The first run of each mode also counts the host syncs of 20
   micro batches that neither Lightning nor crm's perf logging reads
   (`torch.cuda.set_sync_debug_mode("warn")`), by the Python line that caused each. The first
   pairwise run exports its model for `scoring`.
-- `trl`: benchmarks/train_vs_trl.py, crm's packed pointwise run against TRL's RewardTrainer on the
-  same pairs, batch and GPU, gradient checkpointing off in both (TRL's default is on).
-- `flex`: `crm-train` pointwise at packed rows of about 8k (micro batch 1) and 30k tokens (micro
-  batch 4): records of two ~4k-token answers, FlexAttention's path (a record's two responses are
-  branches of one row), step time and peak memory.
+- `flex`: `crm-train` pointwise at packed rows of about 30k tokens (micro batch 4) and then 8k
+  (micro batch 1): records of two ~4k-token answers, FlexAttention's path (a record's two
+  responses are branches of one row), step time and peak memory.
 - `scoring`: the exported CRM loaded as crm-eval and crm-leaderboard load it (`CRMScorer.load`,
-  compiled layers on CUDA), sequences/s of a best-of-4 benchmark in RewardBench 2's layout
-  (benchmarks/benchmark_scoring.py) and pairs/s of a leaderboard (benchmarks/leaderboard_prefix.py),
-  plain and with prefix reuse, after a warm-up of each.
+  compiled layers on CUDA): rows/s of a best-of-4 benchmark in RewardBench 2's layout
+  (benchmarks/benchmark_scoring.py: crm-eval's path) and of a leaderboard (crm-leaderboard's
+  `judge`), plain and with prefix reuse, after a warm-up of each, with `engine=local`; and the
+  leaderboard with `engine=ray` and one worker (`--engines`; a local Ray's start-up is timed apart).
+- `trl`: benchmarks/train_vs_trl.py, crm's packed pointwise run against TRL's RewardTrainer on the
+  same pairs, batch and GPU (qwen3-0.6b), gradient checkpointing off in both (TRL's default is on).
 
 Without CUDA it runs the tiny model, eagerly, for a few steps: a smoke test of this harness (the
-test suite runs it); its figures are not GPU figures and the JSON says `"device": "cpu"`.
+test suite runs it); its figures are not GPU figures and the JSON says `"device": "cpu"`. There
+`graphs` and `flex` say they need CUDA, engine=ray is left out unless `--engines` names it (a local
+Ray's start-up is most of a smoke test's time), and `trl` says so where TRL is not installed.
 
-    python benchmarks/gpu_train.py [--tasks train=qwen3-0.6b:16:off:pairwise,trl,...] [--budget 520]
-                                   [--steps 8] [--warmup 3] [--out results.json]
+    python benchmarks/gpu_train.py [--tasks train=qwen3-0.6b:16:off:pairwise,trl,...] [--budget 480]
+                                   [--steps 8] [--warmup 3] [--engines local,ray] [--out results.json]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import collections
 import gc
 import json
@@ -53,13 +67,18 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
+# Issue 59's order: crm-train's MFU at 0.6B and 1.7B, pairwise and pointwise, as it is and with
+# static shapes and CUDA graphs; the 4B; the ~30k-token FlexAttention row; scoring; crm vs TRL.
 GPU_TASKS = ",".join([
     "train=qwen3-0.6b:16:off:pairwise", "train=qwen3-0.6b:16:off:pointwise",
-    "train=qwen3-1.7b:8:off:pairwise", "train=qwen3-4b:8:on:pairwise", "trl", "scoring", "flex",
-    "train=qwen3-1.7b:8:off:pointwise", "train=qwen3-4b:8:on:pointwise"])
+    "train=qwen3-1.7b:8:off:pairwise", "train=qwen3-1.7b:8:off:pointwise",
+    "train=qwen3-0.6b:16:off:pairwise:static", "train=qwen3-0.6b:16:off:pairwise:graphs",
+    "train=qwen3-0.6b:16:off:pointwise:graphs", "train=qwen3-1.7b:8:off:pairwise:graphs",
+    "train=qwen3-4b:8:on:pairwise", "flex", "scoring", "trl"])
 CPU_TASKS = "train=tiny:8:off:pairwise,scoring,trl,flex"
+VARIANTS = ("today", "static", "graphs")
 # Seconds a task took on one H100 (its first call, compile included), to skip what cannot finish.
-ESTIMATES = {"tiny": 30, "qwen3-0.6b": 75, "qwen3-1.7b": 95, "qwen3-4b": 140, "trl": 120, "scoring": 70,
+ESTIMATES = {"tiny": 30, "qwen3-0.6b": 75, "qwen3-1.7b": 95, "qwen3-4b": 140, "trl": 120, "scoring": 90,
              "flex": 110}
 SYNC_MICRO_BATCHES = 20
 SYNC_MESSAGE = "synchroniz"  # torch's "called a synchronizing CUDA operation"
@@ -85,6 +104,7 @@ class StepStats(L.Callback):
         self.sync_wanted, self.log_every = sync_micro_batches, tuple(n for n in log_every if n > 0)
         self.syncs: list[dict] = []  # one per watched micro batch: its step, whether it logs, its syncs
         self._watch = None
+        self.shapes: set[tuple] = set()  # of the micro batches' input_ids
 
     def _sync(self) -> float:
         if torch.cuda.is_available():
@@ -119,9 +139,9 @@ class StepStats(L.Callback):
             # the step the micro batch belonged to: global_step moves on at its optimizer step
             self.syncs.append({"step": step, "logging_step": self._logging_step(step), "sites": sites})
         if self._timing(step):
-            if "read" in batch:  # a packed row: every token real
+            if "read" in batch:  # a packed row: every token real but its filling to a token budget
                 self.real += batch["real_tokens"]
-                self.padded += batch["real_tokens"]
+                self.padded += batch["input_ids"].shape[1]
                 self.rows += batch["read"].numel()
             else:
                 mask = batch["attention_mask"]
@@ -130,6 +150,7 @@ class StepStats(L.Callback):
                 self.rows += mask.shape[0]
             self.samples += len(batch["keys"])
         tokens = batch["input_ids"].numel()
+        self.shapes.add(tuple(batch["input_ids"].shape))
         if tokens > self._widest_tokens:
             self.packed = "read" in batch
             width = batch["max_length"] if self.packed else batch["input_ids"].shape[1]
@@ -163,11 +184,15 @@ class StepStats(L.Callback):
             "real_token_fraction": self.real / self.padded if self.padded else None,
             "mean_row_tokens": self.real / self.rows if self.rows else None,
             "mfu": (self.real / seconds * per_token / peak) if (seconds and peak) else None,
+            # the tokens computed, padding and a token budget's filling included
+            "mfu_computed": (self.padded / seconds * per_token / peak) if (seconds and peak) else None,
+            "shapes": len(self.shapes),
             "widest_micro_batch": list(self.widest), "widest_micro_batch_tokens": self._widest_tokens,
             "packed": self.packed,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if cuda else None,
             "compile": compile_stats(),
+            "cudagraphs": _cudagraph_counters(),
         }
         if self.sync_wanted and cuda:
             result["host_syncs"] = {
@@ -176,6 +201,32 @@ class StepStats(L.Callback):
                 "sites": dict(counted.most_common(12)),
                 "logging_micro_batches_left_out": len(self.syncs) - len(quiet)}
         self.out.write_text(json.dumps(result))
+
+
+class InductorMode(L.Callback):
+    """What torch.compile's mode "reduce-overhead" turns on, for the decoder layers crm compiles:
+    inductor's CUDA graphs (read when a graph is compiled, at the first forward, after `setup`).
+    `static`: no dimension marked dynamic (crm marks batch and sequence, and the packed kernels'
+    inputs, so that varying rows share one graph): with a token budget every step has one shape,
+    and the graph is compiled for it (dynamo turns a dimension dynamic by itself if it changes)."""
+
+    def __init__(self, cudagraphs: bool = True, static: bool = True):
+        self.cudagraphs, self.static = cudagraphs, static
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import torch._inductor.config as inductor
+
+        inductor.triton.cudagraphs = self.cudagraphs
+        if self.static:
+            torch._dynamo.maybe_mark_dynamic = lambda *args, **kwargs: None
+
+
+def _cudagraph_counters() -> dict:
+    """inductor's counters that name CUDA graphs (recorded, skipped and why), where torch keeps them."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}/{key}": n for group in ("inductor", "stats") for key, n in counters[group].items()
+            if "cudagraph" in key}
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -208,6 +259,7 @@ class Runner:
         self.args, self.cuda, self.data_dir = args, cuda, data_dir
         self.export: Path | None = None  # the first pairwise run's model, for `scoring`
         self.sync_done: set[str] = set()  # modes whose host syncs were counted
+        self.widest: dict[tuple, int] = {}  # (size, mode, micro) -> the widest micro batch's tokens
         self.result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                        "torch": torch.__version__, "versions": _versions(),
                        "settings": {k: v for k, v in vars(args).items()},
@@ -217,12 +269,24 @@ class Runner:
         if self.args.out:
             Path(self.args.out).write_text(json.dumps(self.result, indent=1) + "\n")
 
-    def crm_train(self, size: str, micro: int, checkpointing: bool, mode: str, *, data: Path | None = None,
-                  max_tokens: int | None = None, global_batch: int | None = None, steps: int | None = None,
-                  warmup: int | None = None, name: str | None = None) -> dict:
+    def token_budget(self, size: str, mode: str, micro: int, max_tokens: int) -> int:
+        """A static run's `stream.token_budget`: the widest micro batch a run of the same size,
+        mode and micro batch met in this call, rounded up to FlexAttention's 128-token tile; else
+        what no micro batch exceeds."""
+        widest = self.widest.get((size, mode, micro))
+        if widest is None:
+            return micro * max_tokens * (2 if mode == "pointwise" else 1)
+        return -(-widest // 128) * 128
+
+    def crm_train(self, size: str, micro: int, checkpointing: bool, mode: str, variant: str = "today", *,
+                  data: Path | None = None, max_tokens: int | None = None, global_batch: int | None = None,
+                  steps: int | None = None, warmup: int | None = None, name: str | None = None) -> dict:
         """One `crm-train` run in a process of its own; StepStats' JSON with the run's settings."""
         args, cuda = self.args, self.cuda
-        name = name or f"{size}-{mode}"
+        if variant == "graphs" and not cuda:
+            return {"size": size, "mode": mode, "variant": variant,
+                    "skipped": "CUDA graphs need CUDA (inductor records them on the GPU)"}
+        name = name or f"{size}-{mode}" + ("" if variant == "today" else f"-{variant}")
         max_tokens = max_tokens or args.max_tokens
         global_batch = global_batch or args.global_batch
         warmup = args.warmup if warmup is None else warmup
@@ -249,6 +313,13 @@ class Runner:
             f"log_every: [{log_every[0]}, {log_every[1]}]}}",
             *(["loss=ranking"] if mode == "pointwise" else ["loss=cls"]),
         ]
+        budget = None
+        if variant != "today":  # static shapes: packed rows filled to one budget
+            budget = self.token_budget(size, mode, micro, max_tokens)
+            overrides += ["stream.packing=true", f"stream.token_budget={budget}"]
+        if variant == "graphs":
+            overrides.append("+callbacks.inductor_mode={_target_: gpu_train.InductorMode, cudagraphs: true, "
+                             "static: true}")
         if cuda:
             overrides += ["trainer=fsdp", "trainer.devices=1", "compile=true",
                           f"stream.num_workers={args.num_workers}"]
@@ -265,14 +336,18 @@ class Runner:
         # 4B run's save; a 4B run still needs about 60 GiB free.
         shutil.rmtree(self.data_dir / "outputs" / f"bench-{name}" / "checkpoints", ignore_errors=True)
         if done.returncode:
-            return {"size": size, "mode": mode, "error": done.stderr[-3000:], "wall_seconds": wall}
+            return {"size": size, "mode": mode, "variant": variant, "error": done.stderr[-3000:],
+                    "wall_seconds": wall}
         stats = json.loads(out.read_text())
+        if variant == "today":
+            self.widest[(size, mode, micro)] = stats["widest_micro_batch_tokens"]
         if sync:
             self.sync_done.add(mode)
         if export:
             self.export = self.data_dir / "outputs" / f"bench-{name}" / "export"
         planned = self.plan(size, micro, checkpointing, mode, stats, max_tokens, global_batch)
-        return {"size": size, "mode": mode, "packing": stats["packed"], "micro_batch": micro,
+        return {"size": size, "mode": mode, "variant": variant, "token_budget": budget,
+                "packing": stats["packed"], "micro_batch": micro,
                 "global_batch": global_batch, "max_tokens": max_tokens,
                 "activation_checkpointing": checkpointing, "wall_seconds": wall,
                 "mfu": stats["mfu"], "tokens_per_s": stats["tokens_per_s"],
@@ -325,6 +400,11 @@ class Runner:
 
     def trl(self) -> dict:
         """benchmarks/train_vs_trl.py at equal memory (gradient checkpointing off in both)."""
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            return {"ratio_crm_over_trl": None, "skipped": "TRL is not installed here (pip install "
+                                                           "trl==1.16.0: docs/PERFORMANCE.md section 8)"}
         args = self.args
         command = [sys.executable, str(HERE / "train_vs_trl.py"), "--rounds", "1",
                    "--steps", str(args.trl_steps)]
@@ -333,13 +413,45 @@ class Runner:
                         "--batch-size", "8",
                         "--max-tokens", str(args.max_tokens), "--vocab-size", str(args.vocab_size),
                         "--n-train", "1000", "--runs", "crm_pointwise_packed,trl"]
-        else:  # the smoke test: the packed path against TRL, one process each
-            command += ["--batch-size", "8", "--n-train", "300", "--max-tokens", "256",
-                        "--runs", "crm_pointwise_packed,trl"]
+        else:  # the smoke test: the packed path against TRL, in this process
+            return self.trl_here()
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             return {"error": done.stderr[-3000:]}
-        full = json.loads(done.stdout)
+        return self.against_trl(json.loads(done.stdout))
+
+    def trl_here(self) -> dict:
+        """train_vs_trl.py's two runs (crm's packed pointwise, TRL's RewardTrainer) in this process
+        on the tiny model: a process each, as on a GPU, would import torch, transformers and TRL
+        again, most of the smoke test's time."""
+        import logging
+
+        import train_vs_trl
+
+        options = argparse.Namespace(long=False, n_train=120, vocab_size=None, arch="tiny",
+                                     steps=self.args.trl_steps, batch_size=8, max_tokens=256,
+                                     num_workers=0, device="cpu", compile=False)
+        data = self.data_dir / "trl"
+        data.mkdir(parents=True, exist_ok=True)
+        try:
+            train_vs_trl.prepare(str(data), options)
+            with contextlib.redirect_stdout(sys.stderr):  # TRL prints its metrics: stdout is the JSON's
+                runs = {name: train_vs_trl.run_one(name, str(data), options)
+                        for name in ("crm_pointwise_packed", "trl")}
+        except Exception as err:  # the other tasks' figures still count; this one says why
+            return {"error": f"{type(err).__name__}: {err}"[-3000:]}
+        finally:
+            logging.disable(logging.NOTSET)  # run_one quiets the warnings of the process
+        crm, trl = runs["crm_pointwise_packed"], runs["trl"]
+        full = {"setup": {"arch": "tiny", "batch_size": 8, "steps_per_run": options.steps,
+                          "timed_steps": options.steps - train_vs_trl.WARMUP_STEPS, "device": "cpu",
+                          "process_per_run": False},
+                **runs, "ratio_crm_pointwise_packed_over_trl": round(crm["samples_per_s"]
+                                                                      / trl["samples_per_s"], 2)}
+        return self.against_trl(full)
+
+    @staticmethod
+    def against_trl(full: dict) -> dict:
         crm = full.get("crm_pointwise_packed", {})
         trl = full.get("trl", {})
         ratio = full.get("ratio_crm_pointwise_packed_over_trl")
@@ -348,7 +460,7 @@ class Runner:
                 "trl_peak_gib": trl.get("peak_allocated_gib"), "goal": ">= 2.0", "train_vs_trl": full}
 
     def flex(self) -> dict:
-        """Pointwise rows of about 8k and 30k tokens: FlexAttention's branches on CUDA."""
+        """Pointwise rows of about 30k and then 8k tokens: FlexAttention's branches on CUDA."""
         if not self.cuda:
             return {"skipped": "FlexAttention is the CUDA path for packed pointwise rows; on CPU they "
                                "take the gather path (crm/models/packing.py)"}
@@ -361,7 +473,7 @@ class Runner:
                                seed=1)
         shard([str(raw)], str(self.data_dir / "flex" / "shards"), shard_size=1000)
         runs = []
-        for micro in (1, 4):
+        for micro in (4, 1):  # the ~30k-token row first: the one never measured
             runs.append(self.crm_train(
                 "qwen3-0.6b", micro, False, "pointwise", data=self.data_dir / "flex" / "shards",
                 max_tokens=6144, global_batch=4, steps=4, warmup=2, name=f"flex-micro{micro}"))
@@ -373,7 +485,7 @@ class Runner:
         if self.export is None:
             return {"skipped": "no pairwise crm-train run exported a model in this call"}
         try:  # in this process: the training runs were processes of their own, its GPU is unused
-            return score(self.export, self.data_dir)
+            return score(self.export, self.data_dir, self.args.engines.split(","))
         except Exception as err:  # the other tasks' figures still count; this one says why
             return {"error": f"{type(err).__name__}: {err}"[-3000:]}
         finally:
@@ -384,8 +496,10 @@ class Runner:
                 torch.cuda.empty_cache()
 
 
-def score(export: Path, data_dir: Path) -> dict:
-    """Scoring throughput of `export`, loaded as crm-eval and crm-leaderboard load it."""
+def score(export: Path, data_dir: Path, engines: list[str]) -> dict:
+    """Scoring throughput of `export`, loaded as crm-eval and crm-leaderboard load it: crm-eval's
+    best-of-4 benchmark and crm-leaderboard's board with engine=local, then the board with each
+    other engine of `engines` (engine=ray: one worker)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from benchmark_scoring import benchmark_rows, timed_run
@@ -424,7 +538,49 @@ def score(export: Path, data_dir: Path) -> dict:
         result["leaderboard"]["prefix_reuse" if reuse else "plain"] = figures
     if cuda:
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    # rows (a benchmark's sequences, a board's pairs) per wall second, per path and engine
+    paths = ("plain", "prefix_reuse")
+    bench_rates = {path: result["benchmark"][path]["sequences_per_s"] for path in paths}
+    board_rates = {path: result["leaderboard"][path]["pairs_per_wall_s"] for path in paths}
+    result["rows_per_s"] = {"crm_eval": {"local": bench_rates},
+                            "crm_leaderboard": {"local": board_rates}}
+    del scorer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()  # the worker's GPU memory, not this process's cached blocks
+    for engine in engines:
+        if engine != "local":
+            outcome = ray_board(export, selection, criteria)
+            result["rows_per_s"]["crm_leaderboard"][engine] = outcome
     return result
+
+
+def ray_board(export: Path, selection, criteria: list[str]) -> dict:
+    """crm-leaderboard's board with engine=ray and one worker (a GPU where there is one): start-up,
+    then a warm-up pass, then the timed pass, plain path (prefix reuse left as crm-leaderboard
+    leaves it)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return {"skipped": "ray is not installed here (pip install ray)"}
+    from crm.evaluation.leaderboard import judge
+    from crm.inference.config import EngineConfig
+    from crm.inference.engine import RayScorer, ScorerLoader, checkpoint_identity
+
+    started = time.perf_counter()
+    scorer = RayScorer.start(ScorerLoader(str(export), batch_size=32), EngineConfig(name="ray", workers=1),
+                             identity=checkpoint_identity(export))
+    startup = time.perf_counter() - started
+    try:
+        judge(scorer, selection, criteria)  # the worker's compile and allocator warm-up
+        started = time.perf_counter()
+        outcomes = judge(scorer, selection, criteria)
+        seconds = time.perf_counter() - started
+    finally:
+        scorer.close()
+    return {"workers": 1, "startup_seconds": round(startup, 1), "pairs": len(outcomes),
+            "seconds": round(seconds, 2), "prefix_reuse": True,
+            "pairs_per_wall_s": round(len(outcomes) / seconds, 1)}
 
 
 def _versions() -> dict:
@@ -443,22 +599,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", help=f"comma-separated (default on CUDA {GPU_TASKS}; without, {CPU_TASKS})")
     p.add_argument("--budget", type=float, default=None, help="seconds for all tasks (default: no limit)")
-    p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 8 on CUDA, 4 on CPU)")
-    p.add_argument("--warmup", type=int, help="untimed steps (compile, allocator; default 3, CPU 2)")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per run (default 8 on CUDA, 2 on CPU)")
+    p.add_argument("--warmup", type=int, help="untimed steps (compile, allocator; default 3, CPU 1)")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--records", type=int, help="long pairs generated (default 2000, CPU 200)")
+    p.add_argument("--records", type=int, help="long pairs generated (default 2000, CPU 120)")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--num-workers", type=int, default=4)
     p.add_argument("--log-every", type=int, default=10, help="trainer's and crm's perf logging cadence")
-    p.add_argument("--trl-steps", type=int, help="steps per crm/TRL run (default 20, CPU 8)")
+    p.add_argument("--trl-steps", type=int,
+                   help="steps per crm/TRL run, the first 5 untimed (default 20, CPU 7)")
+    p.add_argument("--engines", help="scoring engines (default on CUDA local,ray; without, local)")
     p.add_argument("--out", help="write the JSON here too, after every task")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
     cuda = torch.cuda.is_available()
-    defaults = (dict(tasks=GPU_TASKS, steps=8, warmup=3, records=2000, trl_steps=20)
+    defaults = (dict(tasks=GPU_TASKS, steps=8, warmup=3, records=2000, trl_steps=20, engines="local,ray")
                 if cuda else
-                dict(tasks=CPU_TASKS, steps=4, warmup=2, records=200, trl_steps=8,
+                dict(tasks=CPU_TASKS, steps=2, warmup=1, records=120, trl_steps=7, engines="local",
                      vocab_size=512, max_tokens=384, global_batch=8))
     for key, value in defaults.items():
         if getattr(args, key) is None or (not cuda and key in ("vocab_size", "max_tokens", "global_batch")):
@@ -466,9 +624,11 @@ def main() -> None:
     for task in args.tasks.split(","):  # all checked before minutes of data preparation
         kind, _, spec = task.partition("=")
         parts = spec.split(":")
-        if kind == "train" and not (len(parts) == 4 and parts[1].isdigit() and parts[2] in ("on", "off")
-                                    and parts[3] in ("pairwise", "pointwise")):
-            p.error(f"--tasks: {task}: expected train=SIZE:MICRO:on|off:pairwise|pointwise")
+        if kind == "train" and not (len(parts) in (4, 5) and parts[1].isdigit() and parts[2] in ("on", "off")
+                                    and parts[3] in ("pairwise", "pointwise")
+                                    and (len(parts) == 4 or parts[4] in VARIANTS)):
+            p.error(f"--tasks: {task}: expected "
+                    f"train=SIZE:MICRO:on|off:pairwise|pointwise[:{'|'.join(VARIANTS)}]")
         if kind not in ("train", "trl", "flex", "scoring") or (kind != "train" and spec):
             p.error(f"--tasks: {task}: expected train=..., trl, flex or scoring")
     started = time.perf_counter()
@@ -485,13 +645,13 @@ def main() -> None:
                 outcome = {"skipped": f"{left:.0f} s of the {args.budget:.0f} s budget left, "
                                       f"the task takes about {estimate} s"}
             elif kind == "train":
-                size, micro, ckpt, mode = spec.split(":")
-                outcome = runner.crm_train(size, int(micro), ckpt == "on", mode)
+                size, micro, ckpt, mode, *variant = spec.split(":")
+                outcome = runner.crm_train(size, int(micro), ckpt == "on", mode, *variant)
                 runner.result["crm_train"].append(outcome)
             else:
                 outcome = {"trl": runner.trl, "flex": runner.flex, "scoring": runner.scoring}[kind]()
                 runner.result["crm_vs_trl" if kind == "trl" else kind] = outcome
-            if "skipped" in outcome and kind == "train":
+            if "skipped" in outcome and kind == "train" and outcome not in runner.result["crm_train"]:
                 runner.result["crm_train"].append({"size": spec, "skipped": outcome["skipped"]})
             seconds = round(time.perf_counter() - task_started, 1)
             runner.result["tasks"].append({"task": task, "seconds": seconds,
