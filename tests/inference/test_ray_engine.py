@@ -44,9 +44,8 @@ from crm.inference.engine import (BLOCKS_IN_FLIGHT, DRIVER_FIELDS, FAULT_ENV, WO
 
 ray = pytest.importorskip("ray", reason="engine=ray needs ray (pip install -e '.[ray]')")
 
-# A local Ray of two worker processes runs beside each test here: the other xdist worker waits
-# (tests/conftest.py).
-pytestmark = pytest.mark.both_cores
+# Not both_cores (tests/conftest.py): Ray's processes keep about one core busy here, its workers
+# mostly waiting on the driver, a kill or a timeout; holding both would idle the other.
 TESTS = Path(__file__).resolve().parents[1]
 TWO_WORKERS = EngineConfig(name="ray", workers=2, block_prompts=1, block_attempts=3)
 CPUS = 6  # logical: the module's pool (2), a test's own pool and a crm-leaderboard's (1 each)

@@ -97,7 +97,6 @@ def kill_leftovers(marker: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.both_cores  # two Ray nodes and their workers
 def test_a_two_node_ray_cluster_from_score_sbatch_ranks_a_board(length_crm, demo_root, tmp_path):
     from crm.cli.leaderboard import run
 
