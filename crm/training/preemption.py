@@ -142,7 +142,8 @@ class Preemption(L.Callback):
         log.warning("preemption (%s): saving %s at step %d",
                     "requeue signal" if received == REQUEUE else "SIGTERM", self.checkpoint_path,
                     trainer.global_step)
-        trainer.save_checkpoint(self.checkpoint_path)
+        # the full state (optimizer, loops, stream) to resume from; said, or Lightning logs its default
+        trainer.save_checkpoint(self.checkpoint_path, weights_only=False)
         self.preempted = True
         stop_without_validation_or_checkpoints(trainer)
         job_id = slurm_job_id()
