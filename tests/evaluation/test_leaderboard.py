@@ -630,9 +630,9 @@ def test_strict_refuses_rejected_lines(tmp_path):
 
 
 def test_the_installed_command_and_the_documented_way_to_vote(tmp_path, monkeypatch, capsys):
-    """The installed script, as docs/EVALUATION.md says to use it: a board with suggested pairs,
-    a verdict added to each suggested line, the same board again with those votes; the votes on
-    a board under other criteria are refused in one line naming both criteria sets."""
+    """As docs/EVALUATION.md says to vote: the installed script's board with suggested pairs, a
+    verdict added to each suggested line, the same board again with those votes; the votes on a
+    board under other criteria are refused in one line naming both criteria sets."""
     from crm.cli.leaderboard import main
 
     export = export_tiny(tmp_path / "export")
@@ -654,7 +654,9 @@ def test_the_installed_command_and_the_documented_way_to_vote(tmp_path, monkeypa
     votes.write_text("".join(json.dumps({**json.loads(line), "verdict": "win"}) + "\n"
                              for line in (tmp_path / "first" / "suggested_votes.jsonl")
                              .read_text().splitlines()))
-    installed(f"votes={votes}", f"hydra.run.dir={tmp_path}/voted")
+    # the same board with those votes, in process (the script's wrapper is the first call's)
+    monkeypatch.setattr("sys.argv", [*command, f"votes={votes}", f"hydra.run.dir={tmp_path}/voted"])
+    main()
     saved = json.loads((tmp_path / "voted" / "leaderboard.json").read_text())
     assert saved["votes"]["used"] == 6  # each line, with its verdict, a vote of this board
     assert "until PPI has 20 votes: 6 so far" in saved["boards"][0]["rows"][0]["overall"][
