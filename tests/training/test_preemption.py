@@ -15,7 +15,8 @@ from crm.training.preemption import Preemption
 
 
 class FakeTrainer(SimpleNamespace):
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, weights_only=None):
+        assert weights_only is False  # the whole state, to resume from
         self.saved.append((path, self.global_step))
 
 
