@@ -69,6 +69,26 @@ CENSUS_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_g
 CENSUS_READS = ("item", "tolist")
 
 
+def optimizer_step_told_apart(owner, step):
+    """The optimizer's step, its own reads told apart by `owner.in_optimizer`: on the CPU torch's
+    AdamW reads its step counters (CPU tensors) with `.item()`; on CUDA crm's fused AdamW keeps
+    them on the device and reads none. Lightning runs the training step of a step's last micro
+    batch inside optimizer.step (the closure): that part is not the optimizer's."""
+    def wrapper(closure=None, **kwargs):
+        def training_part():
+            owner.in_optimizer = False
+            try:
+                return closure()
+            finally:
+                owner.in_optimizer = True
+        owner.in_optimizer = True
+        try:
+            return step(closure=training_part if closure else None, **kwargs)
+        finally:
+            owner.in_optimizer = False
+    return wrapper
+
+
 class Probe(L.Callback):
     def __init__(self, name: str = "run"):
         self.name, self.counts, self.start_step = name, Counter(), 0
@@ -126,25 +146,6 @@ class Probe(L.Callback):
             return read(tensor, *args, **kwargs)
         return wrapper
 
-    def _stepping(self, step):
-        """The optimizer's step, its own reads told apart (`item/optimizer`): on the CPU torch's
-        AdamW reads its step counters (CPU tensors) with `.item()`; on CUDA crm's fused AdamW keeps
-        them on the device and reads none. Lightning runs the training step of a step's last micro
-        batch inside optimizer.step (the closure): that part is not the optimizer's."""
-        def wrapper(closure=None, **kwargs):
-            def training_part():
-                self.in_optimizer = False
-                try:
-                    return closure()
-                finally:
-                    self.in_optimizer = True
-            self.in_optimizer = True
-            try:
-                return step(closure=training_part if closure else None, **kwargs)
-            finally:
-                self.in_optimizer = False
-        return wrapper
-
     def on_train_start(self, trainer, pl_module) -> None:
         from crm.training.preemption import Preemption
 
@@ -158,7 +159,7 @@ class Probe(L.Callback):
         for name in CENSUS_COLLECTIVES:
             setattr(dist, name, self._counting(name, getattr(dist, name)))
         optimizer = trainer.optimizers[0]
-        optimizer.step = self._stepping(optimizer.step)
+        optimizer.step = optimizer_step_told_apart(self, optimizer.step)
         self._reads = {name: getattr(torch.Tensor, name) for name in CENSUS_READS}
         for name, read in self._reads.items():
             setattr(torch.Tensor, name, self._reading(name, read))

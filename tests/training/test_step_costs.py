@@ -20,6 +20,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from dist.probe import optimizer_step_told_apart
 from helpers import make_records, split_sizes, tiny_tokenizer, write_shard_dir
 from lightning.pytorch.loggers import Logger
 
@@ -104,20 +105,8 @@ class Census(L.Callback):
         optimizer = trainer.optimizers[0]
         step = optimizer.step
 
-        def stepping(closure=None, **kwargs):  # the closure (training step, backward) is not its own
-            def training_part():
-                census.in_optimizer = False
-                try:
-                    return closure()
-                finally:
-                    census.in_optimizer = True
-            census.in_optimizer = True
-            try:
-                return step(closure=training_part if closure else None, **kwargs)
-            finally:
-                census.in_optimizer = False
         self._undo.append((optimizer, "step", False, step))
-        optimizer.step = stepping
+        optimizer.step = optimizer_step_told_apart(census, step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.micro.append({"step": trainer.global_step + 1, "counts": Counter()})
