@@ -183,6 +183,12 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if not Path(args.bench).is_file():
+        parser.error(f"--bench: {args.bench}: no such file")
+    for spec in args.crm:
+        name, equals, export = spec.partition("=")
+        if not (name and equals and export and Path(export).is_dir()):
+            parser.error(f"--crm: {spec}: expected NAME=EXPORT_DIR, an existing directory")
     torch.set_num_threads(1)
     crms = [measure(*spec.split("=", 1), args.bench, args.batch_size, args.resamples)
             for spec in args.crm]

@@ -621,6 +621,9 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None or (not cuda and key in ("vocab_size", "max_tokens", "global_batch")):
             setattr(args, key, value)
+    unknown = set(args.engines.split(",")) - {"local", "ray"}
+    if unknown:
+        p.error(f"--engines: {','.join(sorted(unknown))}: expected local, ray or both, comma-separated")
     for task in args.tasks.split(","):  # all checked before minutes of data preparation
         kind, _, spec = task.partition("=")
         parts = spec.split(":")

@@ -504,9 +504,12 @@ def main() -> None:
     p.add_argument("--table", nargs="+", help="print docs/PERFORMANCE.md's table from these results; no run")
     p.add_argument("--table-code", help="the table of this --code's runs")
     p.add_argument("--table-stat", default="cpu_median_ms",
-                   help="cpu_median_ms, median_ms, cpu_mean_ms, mean_ms")
+                   choices=("cpu_median_ms", "median_ms", "cpu_mean_ms", "mean_ms"))
     p.add_argument("extra", nargs="*", help="more crm-train overrides for every run")
     args = p.parse_args()
+    missing = [f for f in args.table or () if not Path(f).is_file()]
+    if missing:
+        p.error(f"--table: {missing[0]}: no such file")
     if args.table:
         print(table(args.table, args.table_code, args.table_stat))
         return
